@@ -1,0 +1,58 @@
+"""Engine configuration: one frozen dataclass, validated once at construction (mirrored by conf/engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    block_size: int = 16
+    num_blocks: int | None = None  # None = derived (GPU: gpu_memory_utilization; CPU: cpu_kv_cache_gib)
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = True
+    async_mode: bool | None = None  # None = on for CUDA, off for CPU
+    cuda_graphs: bool | None = None  # None = on for CUDA
+    max_graph_batch_size: int = 256
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch_size"):
+            _positive_int(name, getattr(self, name))
+        for name in ("max_model_len", "num_blocks"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not self.cpu_kv_cache_gib > 0:
+            raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int, got {self.seed!r}")
+
+    @classmethod
+    def from_options(cls, **options: object) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; allowed: {sorted(known)}")
+        return cls(**options)  # type: ignore[arg-type]
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")

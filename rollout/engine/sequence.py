@@ -1,0 +1,89 @@
+"""Request and sequence state. No torch: the scheduler and block manager work on these alone."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from rollout.sampling_params import SamplingParams
+
+# In async mode a sequence's next token is appended as a placeholder when it is scheduled to sample;
+# the real value arrives one step later (and reaches the device earlier, through the carry-over).
+PLACEHOLDER = -1
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One sample of one request: prompt + output tokens and where its KV lives.
+
+    "No phases" (vLLM v1): each step computes some of the tokens whose KV is not yet cached,
+    ``num_computed_tokens`` catches up with ``num_tokens``, and a sample is drawn whenever it does.
+    Chunked prefill, decode, prefix hits and recompute after preemption all fall out of that.
+    """
+
+    seq_id: int
+    request_id: str
+    index: int  # sample index within its request (0 .. n-1)
+    token_ids: list[int]  # prompt + output; may end with PLACEHOLDERs in async mode
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival: int  # admission order; preemption takes the newest first
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (or being written this step)
+    num_cached_tokens: int = 0  # tokens found in the prefix cache when first allocated
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full, known blocks
+    logprobs: list[float] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)
+    num_inflight: int = 0  # placeholders at the end of token_ids awaiting their sampled value
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    parent: Sequence | None = None  # sample 0 of the request, whose prompt blocks a sibling forks
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose value is known on the host (all but trailing placeholders)."""
+        return len(self.token_ids) - self.num_inflight
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """A prompt with ``params.n`` sample sequences that share its prompt blocks."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    prompt: str | None = None
+    arrival: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

@@ -1,0 +1,40 @@
+"""Per-step attention metadata. Built by the model runner each step and passed explicitly to every
+layer (no module-level context, unlike nano-vllm)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Describes one flattened batch of new tokens against the paged KV cache.
+
+    The batch holds B sequences; sequence i contributes the new tokens
+    ``query_start_loc[i]:query_start_loc[i+1]`` of the flattened [T] token axis. Those tokens sit
+    at the *end* of its context of ``seq_lens[i]`` tokens (cached prefix + new tokens), so new token j
+    of sequence i has position ``seq_lens[i] - q_len_i + j`` and attends causally to positions <= its own.
+
+    KV cache of one layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = K, 1 = V).
+    Token at position p of sequence i lives in block ``block_tables[i, p // block_size]`` at offset
+    ``p % block_size``; ``slot_mapping[t] = block * block_size + offset`` is where new token t's K/V
+    is written (-1 = padding, not written).
+    """
+
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    decode_only: bool  # every sequence has exactly one new token
+    # Host copies, for backends that loop on the CPU (the torch reference).
+    query_lens_host: list[int] | None = None
+    seq_lens_host: list[int] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])

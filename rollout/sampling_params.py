@@ -1,0 +1,93 @@
+"""Sampling parameters, with vLLM's field names so users can move over without relearning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LOGPROBS_MODES = ("policy", "processed", "raw")
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to sample one request.
+
+    ``logprobs_mode`` decides which log-probability comes back with each token:
+    ``policy`` (default) is log softmax(logits / T) over the whole vocabulary in float32, the
+    number an RL trainer recomputes; ``processed`` is the log-probability under the distribution
+    actually sampled from (after top-k / top-p / min-p); ``raw`` uses T = 1. Greedy uses T = 1.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    stop: list[str] | str | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs_mode: str = "policy"
+    stop_set: frozenset[int] = field(default=frozenset(), init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Refuse values a user can get wrong, naming the value and the allowed range."""
+        _check_int("n", self.n, lo=1)
+        _check_num("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        _check_num("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, lo=-1)
+        _check_num("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_int("min_tokens", self.min_tokens, lo=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple)):
+                raise TypeError(f"stop_token_ids must be a list of ints, got {type(self.stop_token_ids).__name__}")
+            for t in self.stop_token_ids:
+                _check_int("stop_token_ids entry", t, lo=0)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None:
+            if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+                raise TypeError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop_set = frozenset(self.stop_token_ids or ())
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def effective_top_k(self) -> int:
+        """0 means off; vLLM's -1 is accepted and normalised."""
+        return 0 if self.top_k in (0, -1) else self.top_k
+
+
+def _check_int(name: str, value: object, lo: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+
+
+def _check_num(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if value != value:  # NaN
+        raise ValueError(f"{name} must not be NaN")
