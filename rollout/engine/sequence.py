@@ -46,6 +46,8 @@ class Sequence:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     parent: Sequence | None = None  # sample 0 of the request, whose prompt blocks a sibling forks
+    sample_seed: int = 0  # with the output position, fixes every random draw of this sequence
+    stop_ids: tuple[int, ...] = ()  # EOS and stop_token_ids: masked before min_tokens, stop after
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,229 @@
+"""The engine: requests in, finished outputs out. The loop is schedule -> run -> postprocess.
+
+In async mode the order becomes schedule N+1 -> launch N+1 -> collect N -> postprocess N, so the
+host prepares the next batch while the device computes; a stop is then seen one step late and the
+extra token is dropped by ``Scheduler.finish``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from rollout.config import EngineConfig
+from rollout.engine import loading
+from rollout.engine.block_manager import BlockManager
+from rollout.engine.model_runner import ModelRunner, PendingStep
+from rollout.engine.scheduler import Scheduler, SchedulerLimits
+from rollout.engine.sequence import Request, Sequence
+from rollout.engine.stop import check_stop, truncate_at_stop
+from rollout.engine.validation import check_lengths, normalize_params, to_token_ids
+from rollout.engine.weight_sync import WeightSync
+from rollout.layers.attention import TorchAttentionBackend
+from rollout.outputs import CompletionOutput, RequestOutput
+from rollout.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running_seqs: int
+    num_waiting_seqs: int
+    kv_cache_usage: float
+    num_steps: int
+    num_preemptions: int
+    num_generated_tokens: int
+    num_prompt_tokens: int
+    num_scheduled_seqs: int
+    gpu_busy_frac: float | None
+    policy_version: int
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, hf_config: object, config: EngineConfig, device: torch.device,
+                 tokenizer: object | None = None, eos_ids: frozenset[int] = frozenset()) -> None:
+        self.model, self.hf_config, self.config, self.device = model, hf_config, config, device
+        self.tokenizer, self.eos_ids = tokenizer, eos_ids
+        self.dtype = next(model.parameters()).dtype
+        limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.num_blocks = config.num_blocks or self._default_num_blocks()
+        self.async_mode = (device.type == "cuda") if config.async_mode is None else config.async_mode
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens), self.block_manager
+        )
+        self.kv_caches = self._allocate_kv()
+        self.runner = ModelRunner(model, self.kv_caches, config.block_size, TorchAttentionBackend(), device)
+        self.weights = WeightSync(model)
+        self.policy_version = 0
+        self._rng = random.Random(config.seed)
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._inflight: PendingStep | None = None
+        self._lock = threading.RLock()
+        self._finished: list[RequestOutput] = []
+        self._stats = dict(steps=0, generated=0, prompt=0, scheduled=0)
+
+    @classmethod
+    def from_pretrained(cls, model: object, dtype: str | torch.dtype = "auto", device: str | None = None,
+                        tokenizer: object | None = None, **engine_options: object) -> Engine:
+        config = EngineConfig.from_options(**engine_options)
+        dev = loading.resolve_device(device)
+        net, hf_config = loading.build_model(model, dtype, dev)
+        tok = loading.load_tokenizer(model, tokenizer)
+        return cls(net, hf_config, config, dev, tok, loading.eos_token_ids(model, hf_config, tok))
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, prompt: object, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = normalize_params(sampling_params, 1)[0]
+        ids = to_token_ids(prompt, self.tokenizer, self.model.vocab_size)
+        check_lengths(len(ids), params, self.max_model_len, self.num_blocks * self.config.block_size)
+        with self._lock:
+            request_id = request_id if request_id is not None else uuid.uuid4().hex
+            if request_id in self.scheduler.requests:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self.scheduler.add(self._make_request(request_id, ids, params, prompt))
+        return request_id
+
+    def _make_request(self, request_id: str, ids: list[int], params: SamplingParams, prompt: object) -> Request:
+        arrival = next(self._arrivals)
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        stop_ids = tuple(sorted(params.stop_set | (frozenset() if params.ignore_eos else self.eos_ids)))
+        seqs: list[Sequence] = []
+        for i in range(params.n):
+            seq = Sequence(next(self._seq_ids), request_id, i, list(ids), len(ids), params, arrival,
+                           parent=seqs[0] if seqs else None, stop_ids=stop_ids)
+            seq.sample_seed = (base_seed + 0x9E3779B97F4A7C15 * i) & ((1 << 63) - 1)
+            seqs.append(seq)
+        return Request(request_id, ids, params, seqs, prompt if isinstance(prompt, str) else None, arrival)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            request = self.scheduler.abort(request_id)
+            if request is not None:
+                self._finished.append(self._output(self.scheduler.pop_finished(request_id)))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._finished)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the requests that finished in it."""
+        with self._lock:
+            plan = self.scheduler.schedule(self.policy_version)
+            launched = self.runner.execute(plan) if plan is not None else None
+            if plan is not None:
+                self._stats["steps"] += 1
+                self._stats["scheduled"] += len(plan.seqs)
+                self._stats["prompt"] += sum(len(s.input_ids) for s in plan.seqs if not s.sample)
+            if self.async_mode:
+                previous, self._inflight = self._inflight, launched
+                if previous is not None:
+                    self._postprocess(previous)
+            elif launched is not None:
+                self._postprocess(launched)
+            if plan is None and self._inflight is None and self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler has unfinished requests but nothing to run (bug)")
+            done, self._finished = self._finished, []
+            return done
+
+    def _postprocess(self, pending: PendingStep) -> None:
+        result = self.runner.collect(pending)
+        for seq in self.scheduler.fill(pending.plan, result, pending.plan.policy_version):
+            self._stats["generated"] += 1
+            stop = check_stop(seq, self.eos_ids, self.tokenizer)
+            if stop is not None:
+                self.scheduler.finish(seq, *stop)
+                request = self.scheduler.pop_finished(seq.request_id)
+                if request is not None:
+                    self._finished.append(self._output(request))
+
+    def _output(self, request: Request) -> RequestOutput:
+        outs = []
+        for seq in request.seqs:
+            out = CompletionOutput(seq.index, seq.output_token_ids, list(seq.logprobs), seq.finish_reason,
+                                   None, list(seq.policy_versions), seq.stop_reason)
+            if self.tokenizer is not None:
+                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+                if isinstance(seq.stop_reason, str):
+                    out.text = truncate_at_stop(out.text, seq.stop_reason)
+            outs.append(out)
+        return RequestOutput(request.request_id, request.prompt_token_ids, outs, request.prompt, True)
+
+    def generate(self, prompts: object, sampling_params: object = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a list of str or of token-id lists, got {type(prompts).__name__}")
+        if not prompts:
+            return []
+        params = normalize_params(sampling_params, len(prompts))
+        # Validate everything before queueing anything: a bad prompt leaves the engine untouched.
+        ids = [to_token_ids(p, self.tokenizer, self.model.vocab_size) for p in prompts]
+        for i, (x, p) in enumerate(zip(ids, params)):
+            try:
+                check_lengths(len(x), p, self.max_model_len, self.num_blocks * self.config.block_size)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        rids = [self.add_request(x, p) for x, p in zip(ids, params)]
+        wanted = set(rids)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(rids), desc="generate", unit="req")
+        while wanted - results.keys():
+            for out in self.step():
+                if out.request_id in wanted:
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+                else:
+                    self._finished.append(out)  # someone else's online request: keep it for their step()
+        if bar is not None:
+            bar.close()
+        return [results[r] for r in rids]
+
+    # ---- weights and memory ------------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict, version: int | None = None) -> int:
+        """Validate every tensor, then copy all in place at a step boundary; returns the new version."""
+        with self._lock:
+            self.weights.apply(named_tensors)
+            self.block_manager.reset_prefix_cache()
+            self.policy_version = self.policy_version + 1 if version is None else int(version)
+            return self.policy_version
+
+    def get_stats(self) -> EngineStats:
+        s = self._stats
+        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, self.block_manager.usage,
+                           s["steps"], self.scheduler.num_preemptions, s["generated"], s["prompt"],
+                           s["scheduled"], None, self.policy_version)
+
+    # ---- KV cache ----------------------------------------------------------------------------
+    def _kv_block_bytes(self) -> int:
+        m = self.model
+        return 2 * m.num_layers * self.config.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+
+    def _default_num_blocks(self) -> int:
+        per_seq = -(-self.max_model_len // self.config.block_size)
+        enough = self.config.max_num_seqs * per_seq + 1
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - self.config.gpu_memory_utilization) * torch.cuda.get_device_properties(
+                self.device).total_memory
+            return max(1, min(enough, int(budget * 0.9) // self._kv_block_bytes()))
+        return max(1, min(enough, int(self.config.cpu_kv_cache_gib * 2**30) // self._kv_block_bytes()))
+
+    def _allocate_kv(self) -> list[torch.Tensor]:
+        m = self.model
+        shape = (m.num_layers, 2, self.num_blocks, self.config.block_size, m.num_kv_heads, m.head_dim)
+        self._kv_storage = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return list(self._kv_storage.unbind(0))

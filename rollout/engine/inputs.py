@@ -1,0 +1,71 @@
+"""Turn a BatchPlan into the flat host arrays every runner needs (plain Python, no device work).
+
+The CPU runner wraps them in tensors; the CUDA runner copies them into pinned IO-slot buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rollout.engine.plan import BatchPlan
+from rollout.layers.sampler import MODES
+
+
+@dataclass(slots=True)
+class HostInputs:
+    input_ids: list[int]  # placeholders (-1) already zeroed; carry fills them on the device
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    query_lens: list[int]
+    block_tables: list[list[int]]  # ragged; padded by the runner
+    sample_idx: list[int]  # flat index of the token whose logits are sampled, per sampling row
+    carry_dst: list[int]  # flat input index to fill ...
+    carry_src: list[int]  # ... from this row of the previous step's samples
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    min_p: list[float]
+    seed: list[int]
+    position: list[int]
+    mode: list[int]
+    suppress: list[tuple[int, ...]]
+    needs_filter: bool
+    max_query_len: int
+    max_seq_len: int
+    decode_only: bool
+
+
+def build_host_inputs(plan: BatchPlan, block_size: int) -> HostInputs:
+    h = HostInputs([], [], [], [0], [], [], [], [], [], [], [], [], [], [], [], [], [], [], False, 0, 0, True)
+    for sp in plan.seqs:
+        n = len(sp.input_ids)
+        base = len(h.input_ids)
+        if sp.carry_src >= 0:
+            h.carry_dst.append(base + n - 1)
+            h.carry_src.append(sp.carry_src)
+        h.input_ids.extend(t if t >= 0 else 0 for t in sp.input_ids)
+        table = sp.block_table
+        for p in range(sp.start_pos, sp.start_pos + n):
+            h.positions.append(p)
+            h.slot_mapping.append(table[p // block_size] * block_size + p % block_size)
+        h.query_start_loc.append(base + n)
+        h.seq_lens.append(sp.seq_len)
+        h.query_lens.append(n)
+        h.block_tables.append(table)
+        h.max_query_len = max(h.max_query_len, n)
+        h.max_seq_len = max(h.max_seq_len, sp.seq_len)
+        h.decode_only = h.decode_only and n == 1
+        if sp.sample:
+            h.sample_idx.append(base + n - 1)
+            h.temperature.append(sp.temperature)
+            h.top_k.append(sp.top_k)
+            h.top_p.append(sp.top_p)
+            h.min_p.append(sp.min_p)
+            h.seed.append(sp.seed)
+            h.position.append(sp.sample_pos)
+            h.mode.append(MODES[sp.logprobs_mode])
+            h.suppress.append(sp.suppress_ids)
+            h.needs_filter = h.needs_filter or sp.top_k > 0 or sp.top_p < 1.0 or sp.min_p > 0.0
+    return h

@@ -1,0 +1,205 @@
+"""Continuous batching: decide which sequences compute which tokens this step. No torch.
+
+Policy (vLLM v1's "no phases"): running sequences first, oldest first, each asking for the tokens
+it has not computed yet (one for decode, a chunk for a prefill); then waiting sequences FIFO while
+the token budget, ``max_num_seqs`` and free blocks allow. When blocks run out the newest running
+sequence is preempted by recompute, so the oldest always progresses and nothing is lost.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from rollout.engine.block_manager import BlockManager
+from rollout.engine.plan import BatchPlan, SampleResult, SeqPlan
+from rollout.engine.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager) -> None:
+        self.limits = limits
+        self.block_manager = block_manager
+        self.waiting: list[Sequence] = []  # sorted by (arrival, seq_id)
+        self.running: list[Sequence] = []  # sorted by (arrival, seq_id)
+        self.requests: dict[str, Request] = {}
+        self.seqs: dict[int, Sequence] = {}
+        self.num_preemptions = 0
+        self._step_id = 0
+        self._prev_rows: dict[int, int] = {}  # seq_id -> sample row in the previous plan
+
+    # ---- admission and removal -------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        assert request.request_id not in self.requests, request.request_id
+        self.requests[request.request_id] = request
+        for seq in request.seqs:
+            self.seqs[seq.seq_id] = seq
+            self._insert(self.waiting, seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a sequence: drop pending placeholders (a late stop's extra token) and free its blocks."""
+        if seq.is_finished:
+            return
+        if seq.num_inflight:
+            del seq.token_ids[len(seq.token_ids) - seq.num_inflight :]
+            seq.num_inflight = 0
+        seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop_reason
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+        self.block_manager.free(seq)
+        del self.seqs[seq.seq_id]
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            for seq in request.seqs:
+                self.finish(seq, "abort")
+        return request
+
+    def pop_finished(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None and request.finished:
+            return self.requests.pop(request_id)
+        return None
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self, policy_version: int = 0) -> BatchPlan | None:
+        budget = self.limits.max_num_batched_tokens
+        chosen: list[tuple[Sequence, int]] = []
+        copies: list[tuple[int, int]] = []
+        preempted = False
+        for seq in list(self.running):
+            if len(chosen) >= self.limits.max_num_seqs or budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = self._num_new_tokens(seq, budget)
+            if n == 0:
+                continue
+            while not self.block_manager.can_append(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                copies += self.block_manager.append_slots(seq, n)
+                chosen.append((seq, n))
+                budget -= n
+        if not preempted:
+            budget = self._admit(chosen, copies, budget)
+        if not chosen:
+            return None
+        return self._make_plan(chosen, copies, policy_version)
+
+    def _admit(self, chosen: list[tuple[Sequence, int]], copies: list[tuple[int, int]], budget: int) -> int:
+        for seq in list(self.waiting):
+            if len(chosen) >= self.limits.max_num_seqs or budget == 0:
+                break
+            if seq.num_inflight:
+                continue  # preempted with a sample still in flight; re-admit once it lands
+            parent = seq.parent
+            if parent is not None and parent.status is SequenceStatus.RUNNING:
+                if parent.num_computed_tokens < seq.num_prompt_tokens - 1 or parent in (c for c, _ in chosen):
+                    continue  # wait for the parent's prompt KV, then share it
+                self.block_manager.fork(parent, seq, seq.num_prompt_tokens - 1)
+            else:
+                self.block_manager.allocate_prefix(seq)
+            n = self._num_new_tokens(seq, budget)
+            if n == 0 or not self.block_manager.can_append(seq, n):
+                self.block_manager.free(seq)
+                break  # FIFO: do not let later requests overtake this one
+            copies += self.block_manager.append_slots(seq, n)
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self._insert(self.running, seq)
+            chosen.append((seq, n))
+            budget -= n
+        return budget
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        target = seq.num_tokens
+        if seq.num_output_tokens >= seq.params.max_tokens:
+            target -= 1  # the final token is never an input, so its KV is never needed
+        return max(0, min(target - seq.num_computed_tokens, budget))
+
+    def _make_plan(
+        self, chosen: list[tuple[Sequence, int]], copies: list[tuple[int, int]], policy_version: int
+    ) -> BatchPlan:
+        plans: list[SeqPlan] = []
+        rows: dict[int, int] = {}
+        for seq, n in chosen:
+            start = seq.num_computed_tokens
+            inputs = seq.token_ids[start : start + n]
+            carry = -1
+            if inputs[-1] == PLACEHOLDER:
+                carry = self._prev_rows[seq.seq_id]
+            assert PLACEHOLDER not in inputs[:-1], "only the newest token can be in flight"
+            sample = start + n == seq.num_tokens
+            p = seq.params
+            plan = SeqPlan(seq.seq_id, inputs, start, list(seq.block_table), sample, carry)
+            if sample:
+                plan.temperature, plan.top_k, plan.top_p, plan.min_p = (
+                    p.temperature, p.effective_top_k, p.top_p, p.min_p,
+                )
+                plan.seed = seq.sample_seed
+                plan.sample_pos = seq.num_output_tokens
+                plan.logprobs_mode = p.logprobs_mode
+                if seq.num_output_tokens < p.min_tokens:
+                    plan.suppress_ids = seq.stop_ids
+                rows[seq.seq_id] = len(rows)
+                seq.token_ids.append(PLACEHOLDER)
+                seq.num_inflight += 1
+            seq.num_computed_tokens = start + n
+            plans.append(plan)
+        self._prev_rows = rows
+        self._step_id += 1
+        return BatchPlan(self._step_id, plans, copies, policy_version)
+
+    def fill(self, plan: BatchPlan, result: SampleResult, policy_version: int) -> list[Sequence]:
+        """Put sampled tokens in their placeholders; returns the sequences that got one."""
+        updated = []
+        for sp, tok, lp in zip(plan.sample_seqs, result.token_ids, result.logprobs):
+            seq = self.seqs.get(sp.seq_id)
+            if seq is None or seq.num_inflight == 0:
+                continue  # finished or aborted meanwhile: the late token is dropped
+            idx = len(seq.token_ids) - seq.num_inflight
+            assert seq.token_ids[idx] == PLACEHOLDER
+            seq.token_ids[idx] = tok
+            seq.num_inflight -= 1
+            seq.logprobs.append(lp)
+            seq.policy_versions.append(policy_version)
+            updated.append(seq)
+        return updated
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._insert(self.waiting, seq)
+
+    @staticmethod
+    def _insert(queue: list[Sequence], seq: Sequence) -> None:
+        keys = [(s.arrival, s.seq_id) for s in queue]
+        queue.insert(bisect.bisect(keys, (seq.arrival, seq.seq_id)), seq)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
