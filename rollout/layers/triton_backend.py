@@ -1,0 +1,58 @@
+"""Triton paged-attention backend: the GPU path, a drop-in for ``TorchAttentionBackend``.
+
+Decode-only steps (the bulk of a rollout, and the ones captured in CUDA graphs) take the split-KV
+decode kernel; every other batch takes the varlen prefill kernel. Neither reads tensor values on
+the host, so a decode step is graph-capturable as long as the kernels were compiled (warmed up)
+before capture.
+
+The kernel modules are imported when the backend is built, not when this file is imported: Triton
+decides at kernel-definition time whether to compile or interpret, and CPU tests set
+``TRITON_INTERPRET=1`` before that moment.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollout.layers.attention_metadata import AttentionMetadata
+
+
+class TritonAttentionBackend:
+    """Paged attention with Triton kernels: K/V store, split-KV decode, varlen causal prefill."""
+
+    name = "triton"
+
+    def __init__(self, decode_num_splits: int | None = None) -> None:
+        from rollout.kernels.kv_write import write_kv_triton
+        from rollout.kernels.paged_decode import paged_decode_attention
+        from rollout.kernels.paged_prefill import paged_prefill_attention
+
+        self._write_kv = write_kv_triton
+        self._decode = paged_decode_attention
+        self._prefill = paged_prefill_attention
+        self.decode_num_splits = decode_num_splits  # None = heuristic from batch size and SM count
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] (new tokens). Writes K/V, returns [T, Hq, D] in q's dtype."""
+        self._write_kv(kv_cache, k, v, meta.slot_mapping)
+        if meta.decode_only:
+            assert q.shape[0] == meta.num_seqs, (
+                f"decode batch has {q.shape[0]} tokens for {meta.num_seqs} seqs"
+            )
+            return self._decode(
+                q, kv_cache, meta.block_tables, meta.seq_lens, scale,
+                sliding_window=sliding_window, num_splits=self.decode_num_splits,
+            )  # fmt: skip
+        return self._prefill(
+            q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+            meta.max_query_len, sliding_window=sliding_window,
+        )  # fmt: skip
