@@ -103,6 +103,7 @@ class Scheduler:
         return self._make_plan(chosen, copies, policy_version)
 
     def _admit(self, chosen: list[tuple[Sequence, int]], copies: list[tuple[int, int]], budget: int) -> int:
+        admitted: set[int] = set()
         for seq in list(self.waiting):
             if len(chosen) >= self.limits.max_num_seqs or budget == 0:
                 break
@@ -110,8 +111,8 @@ class Scheduler:
                 continue  # preempted with a sample still in flight; re-admit once it lands
             parent = seq.parent
             if parent is not None and parent.status is SequenceStatus.RUNNING:
-                if parent.num_computed_tokens < seq.num_prompt_tokens - 1 or parent in (c for c, _ in chosen):
-                    continue  # wait for the parent's prompt KV, then share it
+                if parent.num_computed_tokens < seq.num_prompt_tokens - 1 or parent.seq_id in admitted:
+                    continue  # wait until the parent's prompt KV is computed (in an earlier step), then share it
                 self.block_manager.fork(parent, seq, seq.num_prompt_tokens - 1)
             else:
                 self.block_manager.allocate_prefix(seq)
@@ -123,6 +124,7 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self._insert(self.running, seq)
+            admitted.add(seq.seq_id)
             chosen.append((seq, n))
             budget -= n
         return budget
