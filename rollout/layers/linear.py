@@ -1,0 +1,27 @@
+"""Fused projections: one GEMM for q/k/v and one for gate/up instead of three and two."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+class MergedLinear(nn.Linear):
+    """A Linear whose output rows are several Hugging Face projections stacked along dim 0.
+
+    ``output_shards`` names each stacked projection (its HF module name, e.g. ``"q_proj"``) with its
+    row count, in stacking order. The weight mapper reads it to route ``...q_proj.weight`` to rows
+    ``[0, q_size)`` of ``...qkv_proj.weight``; nothing else needs to know about the fusion.
+    """
+
+    def __init__(self, in_features: int, output_shards: tuple[tuple[str, int], ...], bias: bool) -> None:
+        assert output_shards and all(size > 0 for _, size in output_shards), output_shards
+        super().__init__(in_features, sum(size for _, size in output_shards), bias=bias)
+        self.output_shards = output_shards
+
+    def shard_slices(self) -> dict[str, slice]:
+        """HF projection name -> its rows in this layer's weight (and bias)."""
+        out, start = {}, 0
+        for name, size in self.output_shards:
+            out[name] = slice(start, start + size)
+            start += size
+        return out

@@ -1,0 +1,198 @@
+"""The decoder body shared by every supported family (Llama 3, Qwen2/2.5, Qwen3, Mistral).
+
+They differ only in a few switches (biases, per-head q/k norm, sliding windows), collected in a
+``DecoderSpec`` that each family file derives from its HF config. Module names mirror Hugging Face's
+(``model.layers.0.self_attn.o_proj``...) so weight names map one to one, except the fused
+``qkv_proj`` / ``gate_up_proj``, which the weight mapper splits back into HF's projections.
+
+The forward takes a flattened batch of new tokens [T] and explicit attention metadata; it has no host
+syncs and no data-dependent Python branches, so a CUDA graph can capture it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from rollout.layers.activation import check_activation, silu_and_mul
+from rollout.layers.attention_metadata import AttentionMetadata
+from rollout.layers.linear import MergedLinear
+from rollout.layers.norm import RMSNorm
+from rollout.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderSpec:
+    """What distinguishes one family's decoder from another's."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before rotary
+    sliding_windows: tuple[int | None, ...] | None = None  # per layer; None = full attention everywhere
+
+
+def head_dim_of(hf_config: Any) -> int:
+    """Explicit ``head_dim`` when the config sets one (Qwen3: not hidden / heads), else hidden / heads."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def layer_type_windows(hf_config: Any) -> tuple[int | None, ...] | None:
+    """Qwen2/Qwen3: ``sliding_window`` applies only to layers typed "sliding_attention".
+
+    transformers >= 4.53 lists ``layer_types``; older configs say ``use_sliding_window`` and slide
+    layers from ``max_window_layers`` on.
+    """
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None or not getattr(hf_config, "use_sliding_window", True):
+        return None
+    n = hf_config.num_hidden_layers
+    types = getattr(hf_config, "layer_types", None)
+    if types is None:
+        first = getattr(hf_config, "max_window_layers", 0)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+class Attention(nn.Module):
+    def __init__(self, hf_config: Any, spec: DecoderSpec, sliding_window: int | None) -> None:
+        super().__init__()
+        hidden = hf_config.hidden_size
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = hf_config.num_key_value_heads
+        self.head_dim = head_dim_of(hf_config)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.sizes = (q_size, kv_size, kv_size)
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = sliding_window
+        shards = (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size))
+        self.qkv_proj = MergedLinear(hidden, shards, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(q_size, hidden, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        attn_backend: Any,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = attn_backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hf_config: Any, spec: DecoderSpec) -> None:
+        super().__init__()
+        check_activation(hf_config.hidden_act)
+        hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+        shards = (("gate_proj", inter), ("up_proj", inter))
+        self.gate_up_proj = MergedLinear(hidden, shards, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, spec: DecoderSpec, sliding_window: int | None) -> None:
+        super().__init__()
+        self.self_attn = Attention(hf_config, spec, sliding_window)
+        self.mlp = MLP(hf_config, spec)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        attn_backend: Any,
+    ) -> torch.Tensor:
+        # Unfused residual adds, in the model dtype, exactly where HF does them.
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, attn_backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """HF's ``model.`` submodule: embeddings, layers, final norm (plus the shared rotary table)."""
+
+    def __init__(self, hf_config: Any, spec: DecoderSpec) -> None:
+        super().__init__()
+        n = hf_config.num_hidden_layers
+        windows = spec.sliding_windows or (None,) * n
+        assert len(windows) == n, (windows, n)
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(hf_config, spec, windows[i]) for i in range(n))
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        attn_backend: Any,
+    ) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, meta, attn_backend)
+        return self.norm(h)
+
+
+class DecoderForCausalLM(nn.Module):
+    """The interface the model runner calls; family classes only choose the ``DecoderSpec``."""
+
+    def __init__(self, hf_config: Any, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.hf_config = hf_config
+        self.num_layers = hf_config.num_hidden_layers
+        self.num_kv_heads = hf_config.num_key_value_heads
+        self.head_dim = head_dim_of(hf_config)
+        self.vocab_size = hf_config.vocab_size
+        self.max_position_embeddings = hf_config.max_position_embeddings
+        self.sliding_windows = spec.sliding_windows or (None,) * self.num_layers
+        self.model = DecoderModel(hf_config, spec)
+        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        if getattr(hf_config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight  # one storage: updates reach both
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        attn_backend: Any,
+    ) -> torch.Tensor:
+        """[T] token ids at [T] positions -> [T, hidden] final-normed hidden states; writes K/V."""
+        return self.model(input_ids, positions, kv_caches, meta, attn_backend)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 (the lm_head GEMM runs in the model dtype, like HF)."""
+        return self.lm_head(hidden).float()
