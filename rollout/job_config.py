@@ -1,0 +1,277 @@
+"""The main job's configuration: frozen dataclasses mirrored one-to-one by the Hydra groups in conf/.
+
+Built from a plain dict (``JobConfig.from_dict``) so Hydra stays in scripts/. Every user error is a
+ValueError naming the key, the value and what is allowed, raised before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from rollout.config import EngineConfig
+from rollout.rewards import REWARDS
+from rollout.sampling_params import LOGPROBS_MODES, SamplingParams
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+WANDB_MODES = ("online", "offline", "disabled")
+# Keys that may change between a run and its resume (where the output goes, how long, how it is logged).
+RESUME_FREE_KEYS = ("output_dir", "rollout.rounds", "rollout.resume", "model.cache_dir", "logger")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    path: str | None = None  # Hugging Face checkpoint dir; None = the embedded tiny Llama (random init)
+    tokenizer: str | None = None  # tokenizer dir; None = the checkpoint's own tokenizer files
+    dtype: str = "auto"
+    device: str | None = None  # None = cuda if available else cpu
+    seed: int = 0  # init seed of the embedded default's random weights
+    cache_dir: str | None = None  # where the default's weights go; None = $ROLLOUT_CACHE or ~/.cache/rollout
+
+    def __post_init__(self) -> None:
+        _opt_str("model.path", self.path)
+        _opt_str("model.tokenizer", self.tokenizer)
+        _choice("model.dtype", self.dtype, DTYPES)
+        _opt_str("model.device", self.device)
+        _int("model.seed", self.seed, lo=0)
+        _opt_str("model.cache_dir", self.cache_dir)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingConfig:
+    n: int = 4  # samples per prompt, generated as one request so the group shares its prompt's KV blocks
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int = 32
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs_mode: str = "policy"
+
+    def __post_init__(self) -> None:
+        _int("sampling.n", self.n, lo=1)
+        _num("sampling.temperature", self.temperature, lo=0.0, allowed="a number >= 0 (0 = greedy)")
+        _num("sampling.top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True, allowed="a number in (0, 1]")
+        _int("sampling.top_k", self.top_k, lo=-1, allowed="an int >= 0 (0 or -1 = off)")
+        _num("sampling.min_p", self.min_p, lo=0.0, hi=1.0, allowed="a number in [0, 1]")
+        _int("sampling.max_tokens", self.max_tokens, lo=1)
+        _int("sampling.min_tokens", self.min_tokens, 0, self.max_tokens, "an int in [0, max_tokens]")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            _fail("sampling.stop", self.stop, "a list of non-empty strings")
+        _bool("sampling.ignore_eos", self.ignore_eos)
+        if self.seed is not None:
+            _int("sampling.seed", self.seed, allowed="an int or null")
+        _choice("sampling.logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
+
+    def to_params(self) -> SamplingParams:
+        return SamplingParams(
+            n=self.n,
+            temperature=float(self.temperature),
+            top_p=float(self.top_p),
+            top_k=self.top_k,
+            min_p=float(self.min_p),
+            max_tokens=self.max_tokens,
+            min_tokens=self.min_tokens,
+            stop=list(self.stop) or None,
+            ignore_eos=self.ignore_eos,
+            seed=self.seed,
+            logprobs_mode=self.logprobs_mode,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class DataConfig:
+    path: str | None = None  # local .json/.jsonl/.parquet file or a dataset name; None = embedded arithmetic
+    name: str | None = None  # the dataset's configuration (subset) name, for hub datasets
+    split: str = "train"
+    prompt_field: str = "prompt"  # a string, or a list of {role, content} messages
+    answer_field: str | None = "answer"  # what the reward compares against; None = no answers
+    num_prompts: int = 8  # prompts per round; the dataset wraps around when exhausted
+    apply_chat_template: bool | str = (
+        "auto"  # for plain strings: true, false, "auto" (if the tokenizer has one)
+    )
+    shuffle: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _opt_str("data.path", self.path)
+        _opt_str("data.name", self.name)
+        _str("data.split", self.split)
+        _str("data.prompt_field", self.prompt_field)
+        _opt_str("data.answer_field", self.answer_field)
+        _int("data.num_prompts", self.num_prompts, lo=1)
+        if not (isinstance(self.apply_chat_template, bool) or self.apply_chat_template == "auto"):
+            _fail("data.apply_chat_template", self.apply_chat_template, "one of true, false, 'auto'")
+        _bool("data.shuffle", self.shuffle)
+        _int("data.seed", self.seed, lo=0)
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutConfig:
+    rounds: int = 2
+    resume: bool = False  # continue after the last complete round found in output_dir
+    reward: str | None = "exact_match"  # None = no reward column
+
+    def __post_init__(self) -> None:
+        _int("rollout.rounds", self.rounds, lo=1)
+        _bool("rollout.resume", self.resume)
+        if self.reward is not None:
+            _choice("rollout.reward", self.reward, tuple(REWARDS), f"one of {sorted(REWARDS)} or null")
+
+
+@dataclass(frozen=True, slots=True)
+class WandbConfig:
+    mode: str = "offline"  # offline needs no network or API key; the run dir lands under output_dir
+    project: str = "rollout"
+    entity: str | None = None
+    name: str | None = None
+    group: str | None = None
+    tags: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _choice("logger.wandb.mode", self.mode, WANDB_MODES)
+        _str("logger.wandb.project", self.project)
+        for key in ("entity", "name", "group"):
+            _opt_str(f"logger.wandb.{key}", getattr(self, key))
+        if not isinstance(self.tags, tuple) or not all(isinstance(t, str) for t in self.tags):
+            _fail("logger.wandb.tags", self.tags, "a list of strings")
+
+
+@dataclass(frozen=True, slots=True)
+class LoggerConfig:
+    log_every_steps: int = 16  # engine steps between step-level metrics (running requests, tokens/s)
+    progress: bool = True  # tqdm bar per round
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def __post_init__(self) -> None:
+        _int("logger.log_every_steps", self.log_every_steps, lo=1)
+        _bool("logger.progress", self.progress)
+
+
+@dataclass(frozen=True, slots=True)
+class JobConfig:
+    output_dir: str
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+    def __post_init__(self) -> None:
+        _str("output_dir", self.output_dir)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> JobConfig:
+        """Build from a plain (resolved) dict such as ``OmegaConf.to_container(cfg, resolve=True)``."""
+        top = _check_keys("", raw, {f.name for f in fields(cls)})
+        if "output_dir" not in top:
+            raise ValueError("output_dir is missing: it is required (trajectories and metrics go there)")
+        logger_keys = {f.name for f in fields(LoggerConfig)}
+        logger_raw = dict(_check_keys("logger", top.get("logger") or {}, logger_keys))
+        logger_raw["wandb"] = _section(WandbConfig, "logger.wandb", logger_raw.get("wandb") or {})
+        return cls(
+            output_dir=top["output_dir"],
+            model=_section(ModelConfig, "model", top.get("model") or {}),
+            engine=_engine(top.get("engine") or {}),
+            sampling=_section(SamplingConfig, "sampling", top.get("sampling") or {}),
+            data=_section(DataConfig, "data", top.get("data") or {}),
+            rollout=_section(RolloutConfig, "rollout", top.get("rollout") or {}),
+            logger=LoggerConfig(**logger_raw),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe nested dict (tuples become lists); ``from_dict(to_dict())`` round-trips."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    def resume_mismatches(self, saved: Mapping[str, Any]) -> list[str]:
+        """Keys whose value differs from a saved run's config, ignoring those a resume may change."""
+        now, before = _flatten(self.to_dict()), _flatten(dict(saved))
+        keys = sorted(set(now) | set(before))
+        free = lambda k: any(k == f or k.startswith(f + ".") for f in RESUME_FREE_KEYS)
+        diff = [k for k in keys if not free(k) and now.get(k) != before.get(k)]
+        return [f"{k}: saved {before.get(k)!r}, now {now.get(k)!r}" for k in diff]
+
+
+def _section(cls: type, prefix: str, raw: Mapping[str, Any]) -> Any:
+    values = dict(_check_keys(prefix, raw, {f.name for f in fields(cls)}))
+    for key, value in values.items():
+        if isinstance(value, list):  # YAML lists -> tuples, so the frozen config stays hashable
+            values[key] = tuple(value)
+    return cls(**values)
+
+
+def _engine(raw: Mapping[str, Any]) -> EngineConfig:
+    values = _check_keys("engine", raw, {f.name for f in fields(EngineConfig)})
+    try:
+        return EngineConfig.from_options(**values)
+    except (TypeError, ValueError) as e:  # EngineConfig names the field and the range; add the group
+        raise ValueError(f"engine.{e}") from None
+
+
+def _check_keys(prefix: str, raw: object, allowed: set[str]) -> Mapping[str, Any]:
+    where = prefix or "the config"
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where} must be a mapping, got {raw!r}")
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        dotted = [f"{prefix}.{k}" if prefix else str(k) for k in unknown]
+        raise ValueError(f"unknown key(s) {dotted} in {where}; allowed: {sorted(allowed)}")
+    return raw
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _fail(key: str, value: object, allowed: str) -> None:
+    raise ValueError(f"{key}={value!r} is invalid: must be {allowed}")
+
+
+def _int(key: str, value: object, lo: int | None = None, hi: int | None = None, allowed: str = "") -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    ok = ok and (lo is None or value >= lo) and (hi is None or value <= hi)  # type: ignore[operator]
+    if not ok:
+        _fail(key, value, allowed or (f"an int >= {lo}" if lo is not None else "an int"))
+
+
+def _num(
+    key: str, value: object, lo: float, hi: float | None = None, lo_open: bool = False, allowed: str = ""
+) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    ok = ok and (value > lo if lo_open else value >= lo) and (hi is None or value <= hi)  # type: ignore[operator]
+    if not ok:
+        _fail(key, value, allowed)
+
+
+def _bool(key: str, value: object) -> None:
+    if not isinstance(value, bool):
+        _fail(key, value, "true or false")
+
+
+def _str(key: str, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        _fail(key, value, "a non-empty string")
+
+
+def _opt_str(key: str, value: object) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        _fail(key, value, "a non-empty string or null")
+
+
+def _choice(key: str, value: object, choices: tuple[Any, ...], allowed: str | None = None) -> None:
+    if not isinstance(value, str) or value not in choices:
+        _fail(key, value, allowed or f"one of {list(choices)}")
