@@ -122,3 +122,16 @@ def test_unknown_engine_option_and_unsupported_model(hf):
         Engine.from_pretrained(hf, device="cpu", block_size=12)
     with pytest.raises(ValueError, match="dtype"):
         Engine.from_pretrained(hf, device="cpu", dtype="float64")
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_wake_gives_identical_results(hf, level):
+    engine = make_engine(hf)
+    prompts = random_prompts(3, hf.config.vocab_size, seed=6)
+    before = engine.generate(prompts, greedy(8))
+    assert engine.sleep(level=level) > 0 and engine.is_sleeping
+    engine.wake_up()
+    after = engine.generate(prompts, greedy(8))
+    assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
+    with pytest.raises(ValueError, match="level"):
+        engine.sleep(level=3)

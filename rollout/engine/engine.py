@@ -58,6 +58,7 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens), self.block_manager
         )
+        self._sleep_level = 0
         self.kv_caches = self._allocate_kv()
         self.runner = ModelRunner(model, self.kv_caches, config.block_size, TorchAttentionBackend(), device)
         self.weights = WeightSync(model)
@@ -200,6 +201,52 @@ class Engine:
             self.block_manager.reset_prefix_cache()
             self.policy_version = self.policy_version + 1 if version is None else int(version)
             return self.policy_version
+
+    def sleep(self, level: int = 1) -> int:
+        """Free the KV cache (level 2: also move weights to the CPU) for a co-located trainer.
+
+        Returns the bytes released on the engine's device. Requests must be finished or aborted first.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        with self._lock:
+            if self.scheduler.has_unfinished() or self._inflight is not None:
+                raise RuntimeError("sleep() while requests are running; finish or abort them first")
+            if self._kv_storage is None:
+                return 0
+            released = self._kv_storage.numel() * self._kv_storage.element_size()
+            self.block_manager.reset_prefix_cache()
+            self._kv_storage = None
+            self.kv_caches.clear()
+            self.runner.release()
+            if level == 2:
+                released += sum(p.numel() * p.element_size() for p in self.model.parameters())
+                self._offload_weights("cpu")
+            self._sleep_level = level
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return released
+
+    def wake_up(self) -> None:
+        """Restore what ``sleep`` released; outputs afterwards equal those before the sleep."""
+        with self._lock:
+            if self._kv_storage is not None:
+                return
+            if self._sleep_level == 2:
+                self._offload_weights(self.device)
+            self.kv_caches.extend(self._allocate_kv())
+            self.runner.restore(self.kv_caches)
+            self._sleep_level = 0
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._kv_storage is None
+
+    def _offload_weights(self, device: torch.device | str) -> None:
+        # Parameters move by swapping .data so module structure (and WeightMapper's handles) survive.
+        with torch.no_grad():
+            for t in list(self.model.parameters()) + list(self.model.buffers()):
+                t.data = t.data.to(device, non_blocking=False)
 
     def get_stats(self) -> EngineStats:
         s = self._stats

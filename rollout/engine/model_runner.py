@@ -51,6 +51,13 @@ class ModelRunner:
         self._last = PendingStep(plan, tokens, logprobs)
         return self._last
 
+    def release(self) -> None:
+        """Drop every reference to the KV cache (engine.sleep)."""
+        self._last = None
+
+    def restore(self, kv_caches: list[torch.Tensor]) -> None:
+        self.kv_caches = kv_caches
+
     def collect(self, pending: PendingStep) -> SampleResult:
         return SampleResult(pending.plan.step_id, pending.tokens.tolist(), pending.logprobs.tolist())
 
