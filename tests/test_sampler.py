@@ -82,7 +82,7 @@ def test_logprob_modes():
 def test_greedy_and_suppression():
     logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
     st = _st(2, temperature=0.0, needs=False)
-    st.suppress = torch.tensor([[False, False, False], [False, True, False]])
+    st.suppress_ids = torch.tensor([[-1], [1]])
     toks, lps = sample(logits, st)
     assert toks.tolist() == [1, 2]
     ref = torch.log_softmax(logits[1], -1)

@@ -10,8 +10,7 @@ from collections.abc import Iterator
 import torch
 
 from rollout.models import get_model_class
-from rollout.models.loader import load_checkpoint, load_hf_config
-from rollout.models.weights import WeightMapper
+from rollout.models.loader import load_checkpoint, load_hf_config, load_named_tensors
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -70,10 +69,8 @@ def build_model(source: object, dtype: str | torch.dtype, device: torch.device) 
     if isinstance(source, (str, os.PathLike)):
         load_checkpoint(model, str(source))
     else:
-        mapper = WeightMapper(model)
         with torch.no_grad():
-            for name, tensor in source.named_parameters():
-                mapper.copy_(name, tensor.detach())
+            load_named_tensors(model, ((n, t.detach()) for n, t in source.named_parameters()))
     model.eval()
     return model, hf_config
 

@@ -92,11 +92,8 @@ class ModelRunner:
     def sampling_tensors(self, h: HostInputs) -> SamplingTensors:
         suppress = None
         if any(h.suppress):
-            suppress = torch.zeros(len(h.suppress), self.vocab_size, dtype=torch.bool, device=self.device)
-            for row, ids in enumerate(h.suppress):
-                ids = [i for i in ids if i < self.vocab_size]
-                if ids:
-                    suppress[row, ids] = True
+            width = max(len(ids) for ids in h.suppress)
+            suppress = self._tensor([list(ids) + [-1] * (width - len(ids)) for ids in h.suppress], torch.int64)
         return SamplingTensors(
             temperature=self._tensor(h.temperature, torch.float32),
             top_k=self._tensor(h.top_k, torch.int64),
@@ -105,6 +102,7 @@ class ModelRunner:
             seed=self._tensor(h.seed, torch.int64),
             position=self._tensor(h.position, torch.int64),
             mode=self._tensor(h.mode, torch.int64),
-            suppress=suppress,
+            suppress_ids=suppress,
             needs_filter=h.needs_filter,
+            all_greedy=all(t == 0 for t in h.temperature),
         )

@@ -28,8 +28,9 @@ class SamplingTensors:
     seed: torch.Tensor  # [N] int64
     position: torch.Tensor  # [N] int64, output index being sampled
     mode: torch.Tensor  # [N] int64: MODE_*
-    suppress: torch.Tensor | None = None  # [N, V] bool: ids that may not be sampled (EOS before min_tokens)
+    suppress_ids: torch.Tensor | None = None  # [N, S] int64, -1 padded: ids not to sample (EOS before min_tokens)
     needs_filter: bool = True  # any row with top-k / top-p / min-p (host flag: skips the sort otherwise)
+    all_greedy: bool = False  # host flag: skip drawing noise
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -71,6 +72,14 @@ def _filter(logp: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return logp.masked_fill(~keep, float("-inf"))
 
 
+def suppress_mask(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, S] ids (-1 = none) -> [N, V] bool mask, without host syncs (-1 lands in a spare column)."""
+    mask = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.bool, device=ids.device)
+    idx = torch.where((ids >= 0) & (ids < vocab_size), ids, torch.full_like(ids, vocab_size))
+    mask.scatter_(1, idx, True)
+    return mask[:, :vocab_size]
+
+
 def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, V] (float32) -> (token ids [N] int64, logprobs [N] float32)."""
     logits = logits.float()
@@ -79,14 +88,18 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, tor
     raw_lp = torch.log_softmax(logits, dim=-1)
     policy_lp = torch.log_softmax(logits / temp[:, None], dim=-1)  # T = 1 for greedy rows
     proc = policy_lp
-    if st.suppress is not None:
-        proc = proc.masked_fill(st.suppress, float("-inf"))
+    if st.suppress_ids is not None:
+        proc = proc.masked_fill(suppress_mask(st.suppress_ids, logits.shape[-1]), float("-inf"))
     if st.needs_filter:
         proc = _filter(proc, st)
-    proc = torch.log_softmax(proc, dim=-1)  # renormalise what is left
-    noise = uniform_noise(st.seed, st.position, logits.shape[-1])
-    race = proc - torch.log(-torch.log(noise))  # argmax(p / E) == argmax(log p - log E)
-    tokens = torch.where(greedy, proc.argmax(-1), race.argmax(-1))
+    if st.suppress_ids is not None or st.needs_filter:
+        proc = torch.log_softmax(proc, dim=-1)  # renormalise what is left
+    if st.all_greedy:
+        tokens = proc.argmax(-1)
+    else:
+        noise = uniform_noise(st.seed, st.position, logits.shape[-1])
+        race = proc - torch.log(-torch.log(noise))  # argmax(p / E) == argmax(log p - log E)
+        tokens = torch.where(greedy, proc.argmax(-1), race.argmax(-1))
     idx = tokens[:, None]
     lp = torch.where(
         st.mode == MODE_RAW,
