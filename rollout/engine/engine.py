@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import random
 import threading
+import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -19,13 +20,14 @@ import torch
 from rollout.config import EngineConfig
 from rollout.engine import loading
 from rollout.engine.block_manager import BlockManager
+from rollout.engine.cuda_runner import CudaModelRunner
 from rollout.engine.model_runner import ModelRunner, PendingStep
 from rollout.engine.scheduler import Scheduler, SchedulerLimits
 from rollout.engine.sequence import Request, Sequence
 from rollout.engine.stop import check_stop, truncate_at_stop
 from rollout.engine.validation import check_lengths, normalize_params, to_token_ids
 from rollout.engine.weight_sync import WeightSync
-from rollout.layers.attention import TorchAttentionBackend
+from rollout.layers.backends import make_attention_backend
 from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.sampling_params import SamplingParams
 
@@ -60,7 +62,8 @@ class Engine:
         )
         self._sleep_level = 0
         self.kv_caches = self._allocate_kv()
-        self.runner = ModelRunner(model, self.kv_caches, config.block_size, TorchAttentionBackend(), device)
+        self.attn_backend = make_attention_backend(config.attention_backend, device)
+        self.runner = self._make_runner()
         self.weights = WeightSync(model)
         self.policy_version = 0
         self._rng = random.Random(config.seed)
@@ -70,6 +73,21 @@ class Engine:
         self._lock = threading.RLock()
         self._finished: list[RequestOutput] = []
         self._stats = dict(steps=0, generated=0, prompt=0, scheduled=0)
+        self._t_first: float | None = None
+        self._t_last = 0.0
+
+    def _make_runner(self) -> ModelRunner | CudaModelRunner:
+        c = self.config
+        if self.device.type != "cuda":
+            return ModelRunner(self.model, self.kv_caches, c.block_size, self.attn_backend, self.device)
+        graphs = c.cuda_graphs if c.cuda_graphs is not None else self.attn_backend.name != "torch"
+        if graphs and self.attn_backend.name == "torch":
+            raise ValueError("cuda_graphs=True needs a graph-capturable attention backend ('triton'), not 'torch'")
+        return CudaModelRunner(
+            self.model, self.kv_caches, c.block_size, self.attn_backend, self.device,
+            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+            max_model_len=self.max_model_len, cuda_graphs=graphs, max_graph_batch_size=c.max_graph_batch_size,
+        )
 
     @classmethod
     def from_pretrained(cls, model: object, dtype: str | torch.dtype = "auto", device: str | None = None,
@@ -119,6 +137,8 @@ class Engine:
         """One engine step; returns the requests that finished in it."""
         with self._lock:
             plan = self.scheduler.schedule(self.policy_version)
+            if plan is not None and self._t_first is None:
+                self._t_first = time.perf_counter()
             launched = self.runner.execute(plan) if plan is not None else None
             if plan is not None:
                 self._stats["steps"] += 1
@@ -132,6 +152,7 @@ class Engine:
                 self._postprocess(launched)
             if plan is None and self._inflight is None and self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler has unfinished requests but nothing to run (bug)")
+            self._t_last = time.perf_counter()
             done, self._finished = self._finished, []
             return done
 
@@ -194,7 +215,9 @@ class Engine:
         return [results[r] for r in rids]
 
     # ---- weights and memory ------------------------------------------------------------------
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict, version: int | None = None) -> int:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict, version: int | None = None
+    ) -> int:
         """Validate every tensor, then copy all in place at a step boundary; returns the new version."""
         with self._lock:
             self.weights.apply(named_tensors)
@@ -250,9 +273,13 @@ class Engine:
 
     def get_stats(self) -> EngineStats:
         s = self._stats
+        busy = None
+        records = getattr(self.runner, "records", None)
+        if records and self._t_first is not None and self._t_last > self._t_first:
+            busy = min(1.0, sum(r.compute_ms for r in records) / 1e3 / (self._t_last - self._t_first))
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, self.block_manager.usage,
                            s["steps"], self.scheduler.num_preemptions, s["generated"], s["prompt"],
-                           s["scheduled"], None, self.policy_version)
+                           s["scheduled"], busy, self.policy_version)
 
     # ---- KV cache ----------------------------------------------------------------------------
     def _kv_block_bytes(self) -> int:

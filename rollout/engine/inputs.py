@@ -21,6 +21,7 @@ class HostInputs:
     query_lens: list[int]
     block_tables: list[list[int]]  # ragged; padded by the runner
     sample_idx: list[int]  # flat index of the token whose logits are sampled, per sampling row
+    sample_seq: list[int]  # batch index of each sampling row's sequence
     carry_dst: list[int]  # flat input index to fill ...
     carry_src: list[int]  # ... from this row of the previous step's samples
     temperature: list[float]
@@ -38,7 +39,7 @@ class HostInputs:
 
 
 def build_host_inputs(plan: BatchPlan, block_size: int) -> HostInputs:
-    h = HostInputs([], [], [], [0], [], [], [], [], [], [], [], [], [], [], [], [], [], [], False, 0, 0, True)
+    h = HostInputs([], [], [], [0], [], [], [], [], [], [], [], [], [], [], [], [], [], [], [], False, 0, 0, True)
     for sp in plan.seqs:
         n = len(sp.input_ids)
         base = len(h.input_ids)
@@ -59,6 +60,7 @@ def build_host_inputs(plan: BatchPlan, block_size: int) -> HostInputs:
         h.decode_only = h.decode_only and n == 1
         if sp.sample:
             h.sample_idx.append(base + n - 1)
+            h.sample_seq.append(len(h.seq_lens) - 1)
             h.temperature.append(sp.temperature)
             h.top_k.append(sp.top_k)
             h.top_p.append(sp.top_p)

@@ -61,7 +61,9 @@ def build_model(source: object, dtype: str | torch.dtype, device: torch.device) 
     elif hasattr(source, "config") and hasattr(source, "named_parameters"):
         hf_config = source.config
     else:
-        raise TypeError(f"model must be a checkpoint path or a transformers PreTrainedModel, got {type(source).__name__}")
+        raise TypeError(
+            f"model must be a checkpoint path or a transformers PreTrainedModel, got {type(source).__name__}"
+        )
     cls = get_model_class(hf_config)
     torch_dtype = resolve_dtype(dtype, hf_config, device)
     with _default_dtype(torch_dtype), torch.device(device):

@@ -14,7 +14,9 @@ def normalize_params(sampling_params: object, num_prompts: int) -> list[Sampling
         sampling_params.validate()
         return [sampling_params] * num_prompts
     if not isinstance(sampling_params, (list, tuple)):
-        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
+        raise TypeError(
+            f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}"
+        )
     if len(sampling_params) != num_prompts:
         raise ValueError(
             f"got {len(sampling_params)} sampling params for {num_prompts} prompts; pass one, or one per prompt"

@@ -1,0 +1,246 @@
+"""The GPU fast path: three streams ordered by events, two IO slots, carry-over, CUDA graphs.
+
+execute(plan N+1) returns as soon as the work is queued:
+  host:    fill slot B's pinned buffers (slot B was last used by batch N-1, already collected)
+  h2d:     wait "compute of N-1 done" (it read slot B's device buffers) -> copy pinned -> device
+  compute: wait h2d; carry-over (batch N's sampled tokens, still on the device in slot A, are
+           copied into the placeholder inputs); forward; sample -> slot B's output buffers
+  d2h:     wait compute -> copy tokens and logprobs to pinned host memory
+collect(N) waits only for batch N's device-to-host event. The CPU therefore schedules and prepares
+batch N+1 while the GPU runs batch N; the only blocking point is reading batch N's tokens.
+
+Decode steps replay CUDA graphs captured per (slot, padded batch size, sampler variant), all from
+one memory pool (graphs never run concurrently, so two slots cost about one).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+from rollout.engine.inputs import HostInputs, build_host_inputs
+from rollout.engine.io_slot import IOSlot, SlotShape
+from rollout.engine.plan import BatchPlan, SampleResult
+from rollout.layers.attention_metadata import AttentionMetadata
+from rollout.layers.sampler import SamplingTensors, sample
+
+GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+@dataclass(slots=True)
+class CudaPendingStep:
+    plan: BatchPlan
+    slot: IOSlot
+    rows: list[int]  # output-buffer row of each sampling sequence, in plan order
+    decode: bool
+    kv_tokens: int  # context tokens whose KV this step reads
+    batch: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    decode: bool
+    batch: int
+    kv_tokens: int
+    compute_ms: float
+
+
+class CudaModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
+                 attn_backend: object, device: torch.device, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, cuda_graphs: bool,
+                 max_graph_batch_size: int) -> None:
+        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.attn_backend, self.device = attn_backend, device
+        self.vocab_size: int = model.vocab_size
+        self.shape = SlotShape(
+            max_tokens=max(max_num_batched_tokens, max_num_seqs), max_seqs=max_num_seqs,
+            max_blocks=-(-max_model_len // block_size), max_suppress=16, max_copies=max_num_seqs,
+        )
+        self.slots = [IOSlot(i, self.shape, device) for i in range(2)]
+        self.h2d = torch.cuda.Stream(device)
+        self.compute = torch.cuda.Stream(device)
+        self.d2h = torch.cuda.Stream(device)
+        self.cuda_graphs = cuda_graphs
+        self.graph_sizes = [s for s in GRAPH_SIZES if s <= min(max_graph_batch_size, max_num_seqs)]
+        self.graphs: dict[tuple[int, int, tuple[bool, bool, bool]], torch.cuda.CUDAGraph] = {}
+        self.graph_pool = None
+        self._next_slot = 0
+        self._prev_rows: list[int] = []  # sample row -> output-buffer row of the previous step
+        self.records: list[StepRecord] = []
+
+    # ---- the step ----------------------------------------------------------------------------
+    def execute(self, plan: BatchPlan) -> CudaPendingStep:
+        slot = self.slots[self._next_slot]
+        self._next_slot ^= 1
+        h = build_host_inputs(plan, self.block_size)
+        b, t = len(plan.seqs), len(h.input_ids)
+        graph_b = self._graph_size(h)
+        decode = h.decode_only
+        if slot.used:
+            slot.h2d_done.synchronize()  # the pinned buffers' last copy (two steps ago) is done
+        rows = self._fill(slot, h, graph_b, plan.block_copies)
+        variant = self._variant(h)
+        with torch.cuda.stream(self.h2d):
+            if slot.used:
+                self.h2d.wait_event(slot.compute_done)
+            for group in ("i64", "i32", "f32"):
+                slot.dev[group].copy_(slot.host[group], non_blocking=True)
+            slot.h2d_done.record(self.h2d)
+        with torch.cuda.stream(self.compute):
+            self.compute.wait_event(slot.h2d_done)
+            if slot.used:
+                self.compute.wait_event(slot.d2h_done)  # slot's outputs of two steps ago were read
+            slot.compute_start.record(self.compute)
+            if plan.block_copies:
+                self._copy_blocks(slot, len(plan.block_copies))
+            if graph_b:
+                self._replay(slot, graph_b, variant, h)
+            else:
+                self._forward(slot, t, b, len(h.sample_idx), h, variant)
+            slot.compute_end.record(self.compute)
+            slot.compute_done.record(self.compute)
+        with torch.cuda.stream(self.d2h):
+            self.d2h.wait_event(slot.compute_done)
+            n = graph_b or len(h.sample_idx)
+            slot.host_tokens[:n].copy_(slot.out_tokens[:n], non_blocking=True)
+            slot.host_logprobs[:n].copy_(slot.out_logprobs[:n], non_blocking=True)
+            slot.d2h_done.record(self.d2h)
+        slot.used = True
+        self._prev_rows = rows
+        return CudaPendingStep(plan, slot, rows, decode, sum(h.seq_lens), b)
+
+    def collect(self, pending: CudaPendingStep) -> SampleResult:
+        slot = pending.slot
+        slot.d2h_done.synchronize()
+        toks, lps = slot.host_tokens.tolist(), slot.host_logprobs.tolist()
+        ms = slot.compute_start.elapsed_time(slot.compute_end)
+        self.records.append(StepRecord(pending.decode, pending.batch, pending.kv_tokens, ms))
+        return SampleResult(pending.plan.step_id, [toks[r] for r in pending.rows], [lps[r] for r in pending.rows])
+
+    # ---- host side ---------------------------------------------------------------------------
+    def _graph_size(self, h: HostInputs) -> int:
+        """Padded batch size of a captured decode graph, or 0 for an eager step."""
+        if not (self.cuda_graphs and h.decode_only) or any(len(s) > self.shape.max_suppress for s in h.suppress):
+            return 0
+        i = bisect.bisect_left(self.graph_sizes, len(h.input_ids))
+        return self.graph_sizes[i] if i < len(self.graph_sizes) else 0
+
+    def _fill(self, slot: IOSlot, h: HostInputs, graph_b: int, copies: list[tuple[int, int]]) -> list[int]:
+        """Write the step's inputs into the slot's pinned buffers; returns each sample's output row."""
+        t, b = len(h.input_ids), len(h.seq_lens)
+        tt, bb = (graph_b, graph_b) if graph_b else (t, b)
+        v = slot.host_view
+        v("input_ids")[:t] = h.input_ids
+        v("positions")[:t] = h.positions
+        v("slot_mapping")[:t] = h.slot_mapping
+        carry = v("carry")
+        carry[:tt] = -1
+        for dst, src in zip(h.carry_dst, h.carry_src):
+            carry[dst] = self._prev_rows[src]
+        v("query_start_loc")[: b + 1] = h.query_start_loc
+        v("seq_lens")[:b] = h.seq_lens
+        tables = v("block_tables").reshape(self.shape.max_seqs, self.shape.max_blocks)
+        for i, table in enumerate(h.block_tables):
+            tables[i, : len(table)] = table
+        if graph_b:  # padding rows: no KV write, empty context, neutral greedy sampling
+            v("input_ids")[t:tt], v("positions")[t:tt], v("slot_mapping")[t:tt] = 0, 0, -1
+            v("query_start_loc")[b + 1 : bb + 1] = range(t + 1, tt + 1)
+            v("seq_lens")[b:bb] = 0
+            rows = list(h.sample_seq)  # every row is sampled; keep those of sampling sequences
+            v("sample_idx")[:bb] = range(bb)
+            n_rows = bb
+        else:
+            rows = list(range(len(h.sample_idx)))
+            v("sample_idx")[: len(h.sample_idx)] = h.sample_idx
+            n_rows = len(h.sample_idx)
+        self._fill_sampling(slot, h, rows, n_rows)
+        if copies:
+            assert len(copies) <= self.shape.max_copies
+            v("copy_src")[: len(copies)] = [s for s, _ in copies]
+            v("copy_dst")[: len(copies)] = [d for _, d in copies]
+        return rows
+
+    def _fill_sampling(self, slot: IOSlot, h: HostInputs, rows: list[int], n_rows: int) -> None:
+        v = slot.host_view
+        temp, top_k, top_p, min_p = v("temperature"), v("top_k"), v("top_p"), v("min_p")
+        seed, pos, mode = v("seed"), v("position"), v("mode")
+        sup = v("suppress").reshape(self.shape.max_seqs, self.shape.max_suppress)
+        temp[:n_rows], top_k[:n_rows], top_p[:n_rows], min_p[:n_rows] = 0.0, 0, 1.0, 0.0
+        seed[:n_rows], pos[:n_rows], mode[:n_rows] = 0, 0, 0
+        sup[:n_rows] = -1
+        for j, r in enumerate(rows):
+            temp[r], top_k[r], top_p[r], min_p[r] = h.temperature[j], h.top_k[j], h.top_p[j], h.min_p[j]
+            seed[r], pos[r], mode[r] = h.seed[j], h.position[j], h.mode[j]
+            if h.suppress[j]:
+                sup[r, : len(h.suppress[j])] = h.suppress[j]
+
+    @staticmethod
+    def _variant(h: HostInputs) -> tuple[bool, bool, bool]:
+        greedy = all(x == 0 for x in h.temperature)
+        return (greedy, h.needs_filter, any(h.suppress))
+
+    # ---- device side -------------------------------------------------------------------------
+    def _copy_blocks(self, slot: IOSlot, n: int) -> None:
+        src, dst = slot.dev_view("copy_src", n), slot.dev_view("copy_dst", n)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
+
+    def _forward(self, slot: IOSlot, t: int, b: int, n_rows: int, h: HostInputs | None,
+                 variant: tuple[bool, bool, bool]) -> None:
+        """Carry-over, forward and sampling on slot views; graph-capturable when ``h`` is None."""
+        prev = self.slots[slot.index ^ 1].out_tokens
+        carry = slot.dev_view("carry", t)
+        ids = torch.where(carry >= 0, prev[carry.clamp(min=0)], slot.dev_view("input_ids", t))
+        tables = slot.dev_view("block_tables", b * self.shape.max_blocks).view(b, self.shape.max_blocks)
+        meta = AttentionMetadata(
+            positions=slot.dev_view("positions", t), slot_mapping=slot.dev_view("slot_mapping", t),
+            query_start_loc=slot.dev_view("query_start_loc", b + 1), seq_lens=slot.dev_view("seq_lens", b),
+            block_tables=tables, max_query_len=h.max_query_len if h else 1,
+            max_seq_len=h.max_seq_len if h else self.shape.max_blocks * self.block_size,
+            decode_only=h.decode_only if h else True,
+        )
+        hidden = self.model(ids, meta.positions, self.kv_caches, meta, self.attn_backend)
+        if n_rows == 0:
+            return  # a prefill chunk that samples nothing
+        logits = self.model.compute_logits(hidden[slot.dev_view("sample_idx", n_rows)])
+        greedy, needs_filter, suppress = variant
+        st = SamplingTensors(
+            temperature=slot.dev_view("temperature", n_rows), top_k=slot.dev_view("top_k", n_rows),
+            top_p=slot.dev_view("top_p", n_rows), min_p=slot.dev_view("min_p", n_rows),
+            seed=slot.dev_view("seed", n_rows), position=slot.dev_view("position", n_rows),
+            mode=slot.dev_view("mode", n_rows),
+            suppress_ids=(slot.dev_view("suppress", n_rows * self.shape.max_suppress)
+                          .view(n_rows, self.shape.max_suppress) if suppress else None),
+            needs_filter=needs_filter, all_greedy=greedy,
+        )
+        tokens, logprobs = sample(logits, st)
+        slot.out_tokens[:n_rows].copy_(tokens)
+        slot.out_logprobs[:n_rows].copy_(logprobs)
+
+    def _replay(self, slot: IOSlot, b: int, variant: tuple[bool, bool, bool], h: HostInputs) -> None:
+        key = (slot.index, b, variant)
+        graph = self.graphs.get(key)
+        if graph is None:
+            # Warm up eagerly (compiles Triton kernels; computes exactly what the replay recomputes),
+            # then capture on the compute stream into the shared pool.
+            self._forward(slot, b, b, b, None, variant)
+            if self.graph_pool is None:
+                self.graph_pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graph_pool, stream=self.compute):
+                self._forward(slot, b, b, b, None, variant)
+            self.graphs[key] = graph
+        graph.replay()
+
+    # ---- memory ------------------------------------------------------------------------------
+    def release(self) -> None:
+        """engine.sleep: graphs hold the KV cache's addresses, so they go too."""
+        torch.cuda.synchronize(self.device)
+        self.graphs.clear()
+        self.graph_pool = None
+
+    def restore(self, kv_caches: list[torch.Tensor]) -> None:
+        self.kv_caches = kv_caches

@@ -1,0 +1,36 @@
+"""Pick the attention backend: flash-attn when it imports, else Triton on CUDA, torch on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from rollout.layers.attention import TorchAttentionBackend
+
+
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def make_attention_backend(name: str, device: torch.device) -> object:
+    if name == "auto":
+        if device.type != "cuda":
+            name = "torch"
+        elif flash_attn_available():
+            name = "flash_attn"
+        else:
+            name = "triton"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        from rollout.layers.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    if name == "flash_attn":
+        if not flash_attn_available():
+            raise ValueError("attention_backend='flash_attn' but the flash-attn package is not installed")
+        from rollout.layers.flash_attn_backend import FlashAttnBackend
+
+        return FlashAttnBackend()
+    raise ValueError(f"unknown attention_backend {name!r}")
