@@ -163,11 +163,12 @@ def check_num_splits():
     from rollout.kernels.paged_decode import choose_num_splits
 
     assert choose_num_splits(256, 8, 256, 132) == 1  # batch alone fills the GPU
-    assert choose_num_splits(1, 8, 256, 132) == 64  # 4 programs per SM wants 66; capped
-    assert choose_num_splits(4, 8, 256, 132) == 17
+    assert choose_num_splits(64, 8, 256, 132) == 1  # 512 programs: one wave of 4 per SM already
+    assert choose_num_splits(32, 8, 256, 132) == 2  # 512 programs, not 768 (a wave and a half)
+    assert choose_num_splits(8, 8, 256, 132) == 8
+    assert choose_num_splits(1, 8, 256, 132) == 66
     assert choose_num_splits(1, 8, 3, 132) == 3  # never more splits than tiles
-    assert choose_num_splits(1, 1, 10_000, 132) == 64  # capped
-    assert choose_num_splits(32, 8, 1, 132) == 1
+    assert choose_num_splits(1, 1, 10_000, 132) == 128  # capped
 
 
 def check_errors():

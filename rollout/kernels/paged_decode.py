@@ -17,8 +17,10 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 64
-PROGRAMS_PER_SM = 4  # resident CTAs worth of work per SM; memory-bound kernels want several in flight
+MAX_SPLITS = 128
+# Resident decode programs per SM on the H200 (bf16, head_dim 128, 4 warps, 2 stages), as inferred
+# from the split sweep: going past one such wave leaves a partial second wave that cost up to 25%.
+PROGRAMS_PER_SM = 4
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -154,17 +156,15 @@ def num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_tiles: int, sms: int) -> int:
-    """Splits per (sequence, kv head) so the grid covers about PROGRAMS_PER_SM programs per SM.
+    """Splits per (sequence, kv head): as many as fit in one wave of PROGRAMS_PER_SM programs per SM.
 
-    Depends only on static shapes (``max_tiles`` comes from ``block_tables.shape[1]``), so a CUDA
-    graph captured for a batch size stays valid for any context lengths replayed into it.
+    On the H200 (bench/kernels_bench.py --sweep-splits, llama3-8b shape) this picked the best or
+    near-best split count for B = 1..256: a full single wave beats a wave and a bit. Depends only on
+    static shapes (``max_tiles`` comes from ``block_tables.shape[1]``), so a CUDA graph captured for a
+    batch size stays valid for any context lengths replayed into it.
     """
-    programs = batch * num_kv_heads
-    target = PROGRAMS_PER_SM * sms
-    if programs >= target or max_tiles <= 1:
-        return 1
-    splits = -(-target // programs)
-    return max(1, min(splits, MAX_SPLITS, max_tiles))
+    slots = PROGRAMS_PER_SM * sms
+    return max(1, min(slots // max(1, batch * num_kv_heads), MAX_SPLITS, max_tiles))
 
 
 def decode_block_n(page: int, head_dim: int) -> int:

@@ -80,11 +80,12 @@ def _prefill_kernel(
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def prefill_blocks(head_dim: int, page: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): 64x64 tiles fit Hopper well at D <= 128; halve for wider heads."""
+def prefill_blocks(head_dim: int, page: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): 64x64 tiles, 3 stages were the best of six configs
+    on the H200 at D = 128 (bench/kernels_bench.py --sweep-prefill: 270-300 TFLOP/s bf16)."""
     if head_dim <= 128:
-        return 64, max(64, page), 4
-    return 64, max(32, page), 8
+        return 64, max(64, page), 4, 3
+    return 64, max(32, page), 8, 2
 
 
 def paged_prefill_attention(
@@ -123,7 +124,7 @@ def paged_prefill_attention(
     )
     if batch == 0 or num_tokens == 0 or max_query_len <= 0:
         return out
-    bm, bn, warps = prefill_blocks(d, page)
+    bm, bn, warps, stages = prefill_blocks(d, page)
     bm, bn = block_m or bm, block_n or bn
     for name, val in (("block_m", bm), ("block_n", bn)):
         if val < 16 or val & (val - 1):
@@ -138,6 +139,6 @@ def paged_prefill_attention(
         out.stride(0), out.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, PAGE=page, BLOCK_M=bm, BLOCK_N=bn, USE_WINDOW=window > 0,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=2,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -1,0 +1,182 @@
+"""Triton paged-attention kernels on the GPU at real model shapes, bf16, against the fp32 reference.
+
+Shapes follow the bench presets (llama3-8b 32/8/128, qwen3-0.6b 16/8/128, qwen2.5-1.5b 12/2/128),
+block_size 16, batches 1..256, contexts up to 16K, scattered block tables. Also checks that a decode
+step (K/V store + attention) captures into a CUDA graph and replays correctly with new lengths.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("triton")
+
+from rollout.kernels.kv_write import write_kv_triton  # noqa: E402
+from rollout.kernels.paged_decode import paged_decode_attention  # noqa: E402
+from rollout.kernels.paged_prefill import paged_prefill_attention  # noqa: E402
+from rollout.layers.attention import reference_attention, write_kv  # noqa: E402
+from rollout.layers.attention_metadata import AttentionMetadata  # noqa: E402
+from rollout.layers.triton_backend import TritonAttentionBackend  # noqa: E402
+
+PRESETS = {"llama3-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128), "qwen2.5-1.5b": (12, 2, 128)}
+PAGE = 16
+DEV = torch.device("cuda")
+
+
+def build(q_lens, seq_lens, hq, hkv, d, dtype=torch.bfloat16, seed=0, extra_blocks=4):
+    """(q, kv_cache, meta) on the GPU; blocks drawn from a shuffled pool, K/V random everywhere."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    nblk = [-(-s // PAGE) for s in seq_lens]
+    num_blocks = sum(nblk) + 8
+    pool = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).to(DEV, torch.int32)
+    tables = torch.zeros(len(seq_lens), max(nblk) + extra_blocks, dtype=torch.int32, device=DEV)
+    slots, at = [], 0
+    for i, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
+        tables[i, : nblk[i]] = pool[at : at + nblk[i]]
+        at += nblk[i]
+        pos = torch.arange(sl - ql, sl, device=DEV)
+        slots.append(tables[i, pos // PAGE].long() * PAGE + pos % PAGE)
+    cache = torch.randn(2, num_blocks, PAGE, hkv, d, device=DEV, generator=gen).to(dtype)
+    qsl = torch.tensor([0] + list(q_lens), device=DEV).cumsum(0).to(torch.int32)
+    meta = AttentionMetadata(
+        positions=torch.cat([torch.arange(s - q, s, device=DEV) for q, s in zip(q_lens, seq_lens)]),
+        slot_mapping=torch.cat(slots),
+        query_start_loc=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
+        block_tables=tables,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        decode_only=all(q == 1 for q in q_lens),
+        query_lens_host=list(q_lens),
+        seq_lens_host=list(seq_lens),
+    )
+    q = (2.0 * torch.randn(sum(q_lens), hq, d, device=DEV, generator=gen)).to(dtype)
+    return q, cache, meta
+
+
+def reference(q, cache, meta, window=None):
+    """fp32 reference from the same (rounded) inputs."""
+    return reference_attention(q.float(), cache, meta, q.shape[-1] ** -0.5, window)
+
+
+def rel_err(out, ref):
+    assert torch.isfinite(out).all(), "non-finite kernel output"
+    return ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+
+def random_lens(batch, max_ctx, seed):
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(max(1, max_ctx // 2), max_ctx + 1, (batch,), generator=gen).tolist()
+    lens[0] = max_ctx  # the longest one always present
+    return lens
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("batch,max_ctx", [(1, 16384), (7, 3000), (64, 1024), (256, 512), (256, 16384)])
+def test_decode_real_shapes(preset, batch, max_ctx):
+    hq, hkv, d = PRESETS[preset]
+    lens = random_lens(batch, max_ctx, seed=batch)
+    q, cache, meta = build([1] * batch, lens, hq, hkv, d)
+    out = paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, d**-0.5)
+    assert rel_err(out, reference(q, cache, meta)) < 1e-2
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 16, 64])
+def test_decode_forced_splits_and_short_contexts(splits):
+    hq, hkv, d = PRESETS["llama3-8b"]
+    lens = [1, 2, 15, 16, 17, 100, 1000, 4097]
+    q, cache, meta = build([1] * len(lens), lens, hq, hkv, d, extra_blocks=300)
+    out = paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, d**-0.5, num_splits=splits)
+    assert rel_err(out, reference(q, cache, meta)) < 1e-2
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-2), (torch.float32, 1e-4)])
+def test_decode_other_dtypes_and_window(dtype, tol):
+    hq, hkv, d = PRESETS["qwen2.5-1.5b"]
+    lens = [5, 300, 4096, 9000]
+    q, cache, meta = build([1] * 4, lens, hq, hkv, d, dtype=dtype)
+    for window in (None, 1000):
+        out = paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, d**-0.5, window)
+        assert rel_err(out, reference(q, cache, meta, window)) < tol
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("window", [None, 1024])
+def test_prefill_mixed_batch(preset, window):
+    hq, hkv, d = PRESETS[preset]
+    q_lens = [1, 512, 2000, 37, 1, 129]
+    seq_lens = [4000, 512, 6000, 16000, 1, 129]
+    q, cache, meta = build(q_lens, seq_lens, hq, hkv, d)
+    out = paged_prefill_attention(
+        q, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, d**-0.5, meta.max_query_len, window
+    )
+    assert rel_err(out, reference(q, cache, meta, window)) < 1e-2
+
+
+def test_prefill_fp32_tight():
+    hq, hkv, d = PRESETS["qwen3-0.6b"]
+    q, cache, meta = build([300, 1, 64], [1000, 70, 64], hq, hkv, d, dtype=torch.float32)
+    out = paged_prefill_attention(
+        q, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, d**-0.5, meta.max_query_len
+    )
+    assert rel_err(out, reference(q, cache, meta)) < 1e-4
+
+
+def test_kv_write_matches_torch():
+    hkv, d = 8, 128
+    cache = torch.randn(2, 64, PAGE, hkv, d, device=DEV).to(torch.bfloat16)
+    slots = torch.randperm(64 * PAGE, device=DEV)[:300]
+    slots[::7] = -1
+    k, v = torch.randn(2, 300, hkv, d, device=DEV).to(torch.bfloat16).unbind(0)
+    ref = cache.clone()
+    write_kv(ref, k, v, slots)
+    write_kv_triton(cache, k, v, slots)
+    assert torch.equal(cache, ref)
+    kf = torch.randn(300, hkv, d, device=DEV)  # fp32 into a bf16 cache: rounded like torch's .to()
+    write_kv(ref, kf, kf, slots)
+    write_kv_triton(cache, kf, kf, slots)
+    assert (cache.float() - ref.float()).abs().max().item() <= 1e-2
+
+
+def test_decode_step_cuda_graph_replay():
+    """Capture store + decode once; replay with longer contexts and new block tables, no recapture."""
+    hq, hkv, d = PRESETS["llama3-8b"]
+    backend = TritonAttentionBackend()
+    batch, width, capacity = 8, 512, 4096  # static shapes: block_tables width sizes the split workspace
+    q, cache0, meta = build([1] * batch, random_lens(batch, 3000, 1), hq, hkv, d)
+    cache = torch.zeros(2, capacity, PAGE, hkv, d, device=DEV, dtype=torch.bfloat16)
+    cache[:, : cache0.shape[1]].copy_(cache0)
+    tables = torch.zeros(batch, width, dtype=torch.int32, device=DEV)
+    tables[:, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+    meta.block_tables = tables
+    k = torch.randn(batch, hkv, d, device=DEV).to(torch.bfloat16)
+    v = torch.randn_like(k)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # compile + warm up outside capture
+            backend.forward(q, k, v, cache, meta, d**-0.5)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, k, v, cache, meta, d**-0.5)
+
+    for step, max_ctx in enumerate([200, 5000, 7000]):
+        q2, cache2, meta2 = build(
+            [1] * batch, random_lens(batch, max_ctx, step + 5), hq, hkv, d, seed=step + 1
+        )
+        assert cache2.shape[1] <= capacity and meta2.block_tables.shape[1] <= width
+        cache[:, : cache2.shape[1]].copy_(cache2)
+        meta.block_tables.zero_()
+        meta.block_tables[:, : meta2.block_tables.shape[1]].copy_(meta2.block_tables)
+        meta.seq_lens.copy_(meta2.seq_lens)
+        meta.slot_mapping.copy_(meta2.slot_mapping)
+        q.copy_(q2)
+        k.normal_()
+        v.normal_()
+        graph.replay()
+        write_kv(cache2, k, v, meta2.slot_mapping)
+        assert rel_err(out, reference(q2, cache2, meta2)) < 1e-2
