@@ -1,0 +1,221 @@
+"""Throughput benchmark on the GPU (DESIGN section 4): one JSON line per run.
+
+    python scripts/bench.py --workload W1-short --modes async,sync --compare-hf --out bench/results/x.jsonl
+
+Random-init models with real shapes, bf16, ignore_eos, greedy. Ratios are measured in the same run:
+``floor_ratio`` = the byte floor (weights + live KV each decode step must read, over the copy
+bandwidth measured here) / the compute-stream time of those steps; ``gpu_busy_frac`` = compute-stream
+time / wall time; ``vs_hf`` = our tok/s over Hugging Face continuous batching's on the same prompts.
+Imports only torch, transformers and the engine (the GPU machine has no hydra/wandb/datasets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from rollout import Engine, SamplingParams  # noqa: E402
+
+PRESETS = {  # public config shapes, random weights
+    "llama3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                max_position_embeddings=32768, rope_theta=500000.0)),
+    "qwen2.5-1.5b": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                   num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                                   tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1e6)),
+    "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                 tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1e6)),
+}
+WORKLOADS = {
+    "W1": dict(preset="llama3-8b", prompts=32, prompt_len=128, new=8192),
+    "W1-short": dict(preset="llama3-8b", prompts=32, prompt_len=128, new=1024),
+    "W2": dict(preset="qwen2.5-1.5b", prompts=64, prompt_len=512, new=16384, n=8),
+    "W3": dict(preset="qwen3-0.6b", prompts=256, prompt_len=128, new=1024),
+}
+
+
+def build_hf(preset: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    family, kw = PRESETS[preset]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cls(**kw), dtype=torch.bfloat16, attn_implementation="paged|sdpa")
+    return model.eval()
+
+
+def copy_bandwidth_tbps() -> float:
+    x = torch.empty(4 * 1024**3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(20):
+        y.copy_(x)
+    e.record()
+    torch.cuda.synchronize()
+    ms = s.elapsed_time(e) / 20
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * 4 * 1024**3 / (ms / 1e3) / 1e12
+
+
+def make_prompts(w: dict, vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(100, vocab - 100, (w["prompt_len"],), generator=g).tolist() for _ in range(w["prompts"])]
+    if "n" in w:  # W2: long-tailed lengths (log-uniform) up to `new`, a group of n per prompt
+        lens = [int(min(w["new"], math.exp(torch.empty(1).uniform_(math.log(256), math.log(w["new"]),
+                                                                  generator=g).item()))) for _ in prompts]
+        params = [SamplingParams(n=w["n"], temperature=1.0, max_tokens=k, ignore_eos=True, seed=i)
+                  for i, k in enumerate(lens)]
+    else:
+        params = [SamplingParams(temperature=0.0, max_tokens=w["new"], ignore_eos=True)] * len(prompts)
+    return prompts, params
+
+
+def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args: argparse.Namespace) -> dict:
+    prompts, params = make_prompts(w, hf.config.vocab_size)
+    n = w.get("n", 1)
+    max_len = w["prompt_len"] + w["new"] + 16
+    blocks = int(sum(-(-(w["prompt_len"] + p.max_tokens) // 16) * n for p in params) * 1.1) + 64
+    engine = Engine.from_pretrained(hf, dtype="bfloat16", max_model_len=max_len, num_blocks=blocks,
+                                    max_num_seqs=args.max_num_seqs, async_mode=(mode == "async"))
+    engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    # Warm (capture) every decode graph size the run will meet, so capture time stays out of the timing.
+    runner = engine.runner
+    warm = [[1] * 8] * min(len(prompts) * n, args.max_num_seqs)
+    engine.generate(warm, SamplingParams(temperature=0 if "n" not in w else 1.0, max_tokens=2, ignore_eos=True))
+    for b in sorted(runner.graph_sizes, reverse=True):
+        if b <= len(warm):
+            engine.generate(warm[:b], SamplingParams(temperature=0 if "n" not in w else 1.0, max_tokens=3,
+                                                     ignore_eos=True))
+    runner.records.clear()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    m = engine.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
+    kv_token_bytes = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2
+    dec = [r for r in runner.records if r.decode]
+    floor_s = sum((weight_bytes + r.kv_tokens * kv_token_bytes) / (bw * 1e12) for r in dec)
+    dec_s = sum(r.compute_ms for r in dec) / 1e3
+    busy = sum(r.compute_ms for r in runner.records) / 1e3 / wall
+    rec = dict(
+        workload=name, timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), mode=mode,
+        preset=w["preset"], prompts=len(prompts), n=n, new_tokens=w["new"], wall_s=round(wall, 3),
+        generated_tokens=tokens, tok_s=round(tokens / wall, 1), decode_steps=len(dec),
+        steps=len(runner.records), mean_step_ms=round(wall / max(1, len(runner.records)) * 1e3, 3),
+        mean_decode_compute_ms=round(dec_s / max(1, len(dec)) * 1e3, 3),
+        gpu_busy_frac=round(busy, 4), floor_ms=round(floor_s / max(1, len(dec)) * 1e3, 3),
+        floor_ratio=round(floor_s / dec_s, 4) if dec_s else None,
+        floor_ratio_wall=round(floor_s / wall, 4),
+        peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        copy_bw_tbps=round(bw, 3), device=torch.cuda.get_device_name(), commit=_commit(),
+        attention_backend=engine.attn_backend.name, cuda_graphs=runner.cuda_graphs,
+    )
+    del engine, runner, outs
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rec
+
+
+def run_hf(hf: torch.nn.Module, w: dict, modes: list[str]) -> dict:
+    """Hugging Face continuous batching on the same prompts (as ../shared/anchors/hf_cb_bench.py)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    prompts, _ = make_prompts(w, hf.config.vocab_size)
+    gen = GenerationConfig(max_new_tokens=w["new"], do_sample=False, eos_token_id=None, pad_token_id=0)
+    res = {}
+    for mode in modes:
+        kw = {"sync": dict(use_async_batching=False), "sync_graph": dict(use_async_batching=False, use_cuda_graph=True),
+              "async": dict(use_async_batching=True, use_cuda_graph=True)}[mode]
+        try:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = hf.generate_batch(inputs=prompts, generation_config=gen,
+                                    continuous_batching_config=ContinuousBatchingConfig(**kw), warmup=True)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+            ntok = sum(len(o.generated_tokens) for o in out.values())
+            res[mode] = dict(seconds=round(wall, 2), tokens=ntok, tok_s=round(ntok / wall, 1))
+        except Exception as e:  # record HF's failure, keep benchmarking
+            res[mode] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+        print("hf", mode, res[mode], flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+    return res
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(__file__)).stdout.strip() or os.environ.get("COMMIT", "unknown")
+    except OSError:
+        return os.environ.get("COMMIT", "unknown")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default="W1-short", help=f"comma list of {sorted(WORKLOADS)}")
+    p.add_argument("--modes", default="async,sync")
+    p.add_argument("--compare-hf", action="store_true")
+    p.add_argument("--hf-modes", default="sync_graph", help="HF modes to run (its best measured: sync_graph)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--new", type=int, default=None, help="override new tokens (smoke runs)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench.py needs a CUDA GPU")
+    bw = copy_bandwidth_tbps()
+    print(f"copy bandwidth {bw:.2f} TB/s", flush=True)
+    models: dict[str, torch.nn.Module] = {}
+    for name in args.workload.split(","):
+        w = dict(WORKLOADS[name])
+        if args.new:
+            w["new"] = args.new
+        if w["preset"] not in models:
+            models.clear()
+            gc.collect()
+            torch.cuda.empty_cache()
+            models[w["preset"]] = build_hf(w["preset"])
+        hf = models[w["preset"]]
+        recs = [run_ours(name, w, hf, mode, bw, args) for mode in args.modes.split(",")]
+        if len(recs) == 2 and recs[1]["mode"] == "sync":
+            recs[0]["vs_sync"] = round(recs[0]["tok_s"] / recs[1]["tok_s"], 3)
+            recs[0]["peak_mem_over_sync_gib"] = round(recs[0]["peak_mem_gib"] - recs[1]["peak_mem_gib"], 2)
+        if args.compare_hf:
+            hf_res = run_hf(hf, w, args.hf_modes.split(","))
+            best = max((r["tok_s"] for r in hf_res.values() if "tok_s" in r), default=None)
+            for r in recs:
+                r["hf"] = hf_res
+                r["vs_hf"] = round(r["tok_s"] / best, 3) if best else None
+        for r in recs:
+            line = json.dumps(r)
+            print(line, flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
