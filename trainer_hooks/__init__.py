@@ -1,0 +1,44 @@
+"""Trainer integration: TRL's rollout_func and async-GRPO adapters, and weight sync into a live engine.
+
+    from trainer_hooks import TRLRollout, push_weights
+    trainer = GRPOTrainer(model, reward_funcs, args, train_dataset, rollout_func=TRLRollout(engine))
+
+Imports are lazy so that ``import trainer_hooks`` does not pull in trl or torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+__all__ = [
+    "TRLRollout",
+    "HFWeights",
+    "normalize_name",
+    "push_weights",
+    "bench_weight_push",
+    "EngineRolloutWorker",
+    "EngineWeightTransfer",
+]
+
+_WHERE = {
+    "TRLRollout": "trainer_hooks.trl",
+    "HFWeights": "trainer_hooks.weights",
+    "normalize_name": "trainer_hooks.weights",
+    "push_weights": "trainer_hooks.weights",
+    "bench_weight_push": "trainer_hooks.weights",
+    "EngineRolloutWorker": "trainer_hooks.async_grpo",
+    "EngineWeightTransfer": "trainer_hooks.async_grpo",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainer_hooks.async_grpo import EngineRolloutWorker, EngineWeightTransfer
+    from trainer_hooks.trl import TRLRollout
+    from trainer_hooks.weights import HFWeights, bench_weight_push, normalize_name, push_weights
+
+
+def __getattr__(name: str) -> object:
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'trainer_hooks' has no attribute {name!r}")

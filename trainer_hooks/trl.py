@@ -1,0 +1,181 @@
+"""TRL's ``GRPOTrainer(rollout_func=...)`` backed by our engine, with weight sync by training step.
+
+TRL hands the rollout function each prompt repeated ``num_generations`` times in a row. Each run of
+identical prompts becomes one request with ``n`` = the run's length, so the group shares its prompt's KV
+blocks, and one row comes back per input prompt. Logprobs are the engine's ``policy`` mode: log
+softmax(logits / T) over the full vocabulary, the number GRPO recomputes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from rollout.sampling_params import SamplingParams
+from trainer_hooks.weights import HFWeights, push_weights, resolve_engine
+
+# SamplingParams fields that `generation_kwargs` may set (vLLM's names).
+GENERATION_KWARGS = tuple(
+    f.name for f in dataclasses.fields(SamplingParams) if f.init and f.name != "n"
+)
+
+
+class TRLRollout:
+    """A ``rollout_func`` for ``GRPOTrainer``: ``TRLRollout(engine_or_actor)(prompts, trainer) -> dict``.
+
+    Before generating it pushes the trainer's weights to the engine when ``trainer.state.global_step``
+    moved since the last push (and on the first call), as version ``global_step``. ``last_outputs``
+    keeps the engine's ``RequestOutput``s of the latest call (for checks and logging).
+    """
+
+    def __init__(self, engine_or_actor: Any, sync_weights: bool = True) -> None:
+        self.target = engine_or_actor
+        self.engine = resolve_engine(engine_or_actor)
+        self.sync_weights = sync_weights
+        self.synced_step: int | None = None
+        self.last_outputs: list[Any] = []
+
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        if not prompts:
+            raise ValueError("rollout_func got no prompts")
+        if self.sync_weights:
+            self.maybe_sync(trainer)
+        prompt_ids = tokenize_prompts(prompts, trainer)
+        runs = list(_runs(prompt_ids))
+        base = sampling_params_from_args(trainer.args, getattr(trainer, "eos_token_ids", None))
+        params = [dataclasses.replace(base, n=length) for _, length in runs]
+        outs = self.engine.generate([list(ids) for ids, _ in runs], params)
+        self.last_outputs = outs
+        rows: dict[str, list[Any]] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "policy_version": []}
+        for out in outs:
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                rows["prompt_ids"].append(list(out.prompt_token_ids))
+                rows["completion_ids"].append(list(c.token_ids))
+                rows["logprobs"].append(list(c.logprobs))
+                version = min(c.policy_versions) if c.policy_versions else self.engine.policy_version
+                rows["policy_version"].append(int(version))
+        assert len(rows["prompt_ids"]) == len(prompts), (len(rows["prompt_ids"]), len(prompts))
+        return rows
+
+    def maybe_sync(self, trainer: Any) -> bool:
+        """Push the unwrapped trainer model if the step moved since the last push; True if it pushed."""
+        step = int(trainer.state.global_step)
+        if step == self.synced_step:
+            return False
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        with merged_adapter(model):
+            push_weights(self.target, HFWeights(model), version=step)
+        self.synced_step = step
+        return True
+
+
+@contextlib.contextmanager
+def merged_adapter(model: Any) -> Iterator[None]:
+    """Fold a PEFT adapter into the base weights for the push and unfold it after (TRL does the same for
+    vLLM); a plain model passes through."""
+    merge = getattr(model, "merge_adapter", None)
+    if merge is None or not callable(merge):
+        yield
+        return
+    merge()
+    try:
+        yield
+    finally:
+        model.unmerge_adapter()
+
+
+def tokenize_prompts(prompts: list[Any], trainer: Any) -> list[list[int]]:
+    """Token ids as GRPOTrainer would make them: chat messages through the trainer tokenizer's chat
+    template (with the trainer's tools, template and ``chat_template_kwargs``), strings as they are."""
+    tok = getattr(trainer, "processing_class", None)
+    if tok is None:
+        raise ValueError("the trainer has no processing_class (tokenizer); it is needed to encode prompts")
+    if _is_conversation(prompts[0]):
+        encoded = tok.apply_chat_template(
+            conversation=prompts,
+            tools=getattr(trainer, "tools", None) or None,
+            chat_template=getattr(trainer, "chat_template", None),
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **(getattr(trainer, "chat_template_kwargs", None) or {}),
+        )
+        return [list(ids) for ids in encoded["input_ids"]]
+    if all(isinstance(p, str) for p in prompts):
+        return [list(ids) for ids in tok(text=prompts)["input_ids"]]
+    raise TypeError(f"prompts must be strings or lists of {{role, content}} messages, got {prompts[0]!r:.200}")
+
+
+def _is_conversation(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+def _runs(prompt_ids: list[list[int]]) -> Iterator[tuple[list[int], int]]:
+    """(prompt ids, run length) for each run of identical consecutive prompts."""
+    start = 0
+    for i in range(1, len(prompt_ids) + 1):
+        if i == len(prompt_ids) or prompt_ids[i] != prompt_ids[start]:
+            yield prompt_ids[start], i - start
+            start = i
+
+
+def sampling_params_from_args(args: Any, stop_token_ids: Sequence[int] | None = None) -> SamplingParams:
+    """SamplingParams from a GRPOConfig: temperature, top_p, top_k, min_p, max_completion_length and
+    ``generation_kwargs`` (which override, vLLM-style). What the engine cannot honour is refused."""
+    penalty = getattr(args, "repetition_penalty", 1.0)
+    if penalty not in (None, 1.0):
+        raise ValueError(f"repetition_penalty={penalty} is not supported by the rollout engine; allowed: 1.0")
+    top_k = getattr(args, "top_k", 0)
+    values: dict[str, Any] = dict(
+        temperature=float(getattr(args, "temperature", 1.0)),
+        top_p=float(getattr(args, "top_p", 1.0) if getattr(args, "top_p", None) is not None else 1.0),
+        top_k=0 if top_k is None else int(top_k),
+        min_p=float(getattr(args, "min_p", None) or 0.0),
+        max_tokens=int(getattr(args, "max_completion_length", None) or 16),
+        logprobs_mode="policy",
+    )
+    if stop_token_ids:
+        values["stop_token_ids"] = sorted({int(t) for t in stop_token_ids})
+    extra = getattr(args, "generation_kwargs", None) or {}
+    unknown = sorted(set(extra) - set(GENERATION_KWARGS))
+    if unknown:
+        raise ValueError(f"generation_kwargs {unknown} are not supported; allowed: {list(GENERATION_KWARGS)}")
+    values.update(extra)
+    if values.get("ignore_eos"):
+        values.pop("stop_token_ids", None)
+    return SamplingParams(**values)
+
+
+# ---- rewards in TRL's calling convention --------------------------------------------------------------
+def completion_text(completion: Any) -> str:
+    """A TRL completion as text: a string, or the content of chat messages."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list):
+        return "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
+    return str(completion)
+
+
+def trl_reward(fn: Callable[[str, str | None], float], name: str | None = None) -> Callable[..., list[float]]:
+    """Wrap a ``(completion_text, answer) -> float`` reward (rollout.rewards) for ``GRPOTrainer``; the
+    dataset's ``answer`` column arrives as a keyword argument."""
+
+    def reward(prompts: list[Any], completions: list[Any], answer: list[Any] | None = None, **_: Any) -> list[float]:
+        answers = answer if answer is not None else [None] * len(completions)
+        return [float(fn(completion_text(c), None if a is None else str(a))) for c, a in zip(completions, answers)]
+
+    reward.__name__ = name or getattr(fn, "__name__", "reward")
+    return reward
+
+
+_DIGIT = re.compile(r"\d")
+
+
+def digit_fraction(completion: str, answer: str | None = None) -> float:
+    """Share of non-space characters that are digits: an "answer-shaped output" reward that a random-init
+    model learns within minutes (exact match would take far longer), for demos and smoke runs."""
+    chars = [ch for ch in completion if not ch.isspace()]
+    return sum(1 for ch in chars if _DIGIT.match(ch)) / len(chars) if chars else 0.0
