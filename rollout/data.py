@@ -1,0 +1,158 @@
+"""Prompt datasets through `datasets`: local JSON/JSONL/Parquet files or a dataset name.
+
+Prompts are consumed in order (optionally shuffled once with a fixed seed) and wrap around when the
+dataset is exhausted, so round r always uses positions [r * num_prompts, (r + 1) * num_prompts): a
+resume skips the prompts already used just by knowing how many rounds are done.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollout.assets import default_dataset_path
+from rollout.job_config import DataConfig
+
+LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    index: int  # the dataset row it came from
+    text: str  # what the model sees (after the chat template, if one was applied)
+    token_ids: tuple[int, ...]
+    answer: str | None
+
+
+class PromptDataset:
+    """Rows of a `datasets.Dataset`, rendered and tokenized on demand (datasets can be large)."""
+
+    def __init__(
+        self,
+        rows: Any,
+        tokenizer: Any,
+        prompt_field: str,
+        answer_field: str | None,
+        apply_chat_template: bool | str = "auto",
+        order: Sequence[int] | None = None,
+    ) -> None:
+        assert len(rows) > 0 and prompt_field in rows.column_names
+        assert order is None or sorted(order) == list(range(len(rows)))
+        self.rows, self.tokenizer = rows, tokenizer
+        self.order = list(order) if order is not None else None  # a shuffle; the rows keep their own index
+        self.prompt_field = prompt_field
+        self.answer_field = answer_field if answer_field in rows.column_names else None
+        has_template = tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None
+        self.template_strings = has_template if apply_chat_template == "auto" else bool(apply_chat_template)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def get(self, position: int) -> Prompt:
+        """The prompt at stream position ``position`` (wrapping around the dataset)."""
+        index = position % len(self.rows)
+        if self.order is not None:
+            index = self.order[index]
+        row = self.rows[index]
+        text, ids = self._render(row[self.prompt_field], index)
+        answer = row[self.answer_field] if self.answer_field is not None else None
+        return Prompt(index, text, tuple(ids), None if answer is None else str(answer))
+
+    def batch(self, start: int, count: int) -> list[Prompt]:
+        return [self.get(start + i) for i in range(count)]
+
+    def _render(self, value: object, index: int) -> tuple[str, list[int]]:
+        tok = self.tokenizer
+        if _is_token_ids(value):
+            ids = list(value)  # type: ignore[arg-type]
+            return (tok.decode(ids) if tok is not None else ""), ids
+        if tok is None:
+            raise ValueError(
+                "the model has no tokenizer, so text prompts cannot be encoded; set model.tokenizer"
+            )
+        if isinstance(value, str) and not self.template_strings:
+            return value, list(tok(value).input_ids)
+        messages = [{"role": "user", "content": value}] if isinstance(value, str) else value
+        if not _is_messages(messages):
+            raise ValueError(
+                f"row {index}: field {self.prompt_field!r} must be a string, a list of token ids or a "
+                f"list of {{role, content}} messages, got {value!r:.200}"
+            )
+        if getattr(tok, "chat_template", None) is None:
+            raise ValueError(
+                f"row {index}: chat-formatted prompts need a chat template, and the tokenizer has none "
+                "(or set data.apply_chat_template=false for plain strings)"
+            )
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return text, list(tok(text, add_special_tokens=False).input_ids)
+
+
+def load_prompt_dataset(cfg: DataConfig, tokenizer: Any, require_answer: bool = False) -> PromptDataset:
+    """Load and check the dataset before any generation: the prompt field (and answer field) must exist."""
+    rows = load_rows(cfg)
+    where = cfg.path or "the embedded dataset"
+    if len(rows) == 0:
+        raise ValueError(f"data.path={where!r} split {cfg.split!r} has no rows")
+    fields = list(rows.column_names)
+    if cfg.prompt_field not in fields:
+        raise ValueError(
+            f"data.prompt_field={cfg.prompt_field!r} is not a field of {where!r}; its fields are {fields}"
+        )
+    if require_answer and (cfg.answer_field is None or cfg.answer_field not in fields):
+        raise ValueError(
+            f"the reward needs answers but data.answer_field={cfg.answer_field!r} is not a field of "
+            f"{where!r}; its fields are {fields} (or set rollout.reward=null)"
+        )
+    order = None
+    if cfg.shuffle:
+        order = list(range(len(rows)))
+        random.Random(cfg.seed).shuffle(order)
+    return PromptDataset(rows, tokenizer, cfg.prompt_field, cfg.answer_field, cfg.apply_chat_template, order)
+
+
+def load_rows(cfg: DataConfig) -> Any:
+    """A local file by its suffix, a local dataset dir, or a dataset name (hub access: the network's job)."""
+    path = cfg.path if cfg.path is not None else str(default_dataset_path())
+    local = Path(path).expanduser()
+    if local.is_file():
+        fmt = LOCAL_FORMATS.get(local.suffix.lower())
+        if fmt is None:
+            raise ValueError(
+                f"data.path={path!r} has an unsupported suffix; allowed: {sorted(LOCAL_FORMATS)}"
+            )
+        return _load(path, cfg.split, fmt, data_files=str(local))
+    if local.suffix.lower() in LOCAL_FORMATS or path.startswith((".", "/", "~")) and not local.is_dir():
+        raise FileNotFoundError(f"data.path={path!r} does not exist")
+    return _load(path, cfg.split, path, cfg.name)
+
+
+def _load(where: str, split: str, *args: Any, **kwargs: Any) -> Any:
+    import datasets
+
+    try:
+        return datasets.load_dataset(*args, split=split, **kwargs)
+    except (ValueError, OSError, datasets.exceptions.DatasetsError) as e:
+        raise ValueError(f"could not load data.path={where!r} (data.split={split!r}): {e}") from None
+
+
+def _is_token_ids(value: object) -> bool:
+    return (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and len(value) > 0
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
+
+
+def _is_messages(value: object) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) > 0
+        and all(
+            isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value
+        )
+    )

@@ -1,0 +1,196 @@
+"""The main job end to end: through a subprocess (as `make run` runs it) and through Hydra's compose API."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from hydra import compose, initialize_config_dir
+
+from rollout.assets import materialize_default_model
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "rollout.py"
+TINY = ["sampling.max_tokens=3", "logger.progress=false"]
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("rollout_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+script = _load_script()
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One default-model checkpoint for the whole session (subprocesses find it through ROLLOUT_CACHE)."""
+    path = tmp_path_factory.mktemp("rollout-cache")
+    materialize_default_model(path)
+    return path
+
+
+def run_composed(output_dir: Path, cache_dir: Path, *overrides: str, wandb: str = "disabled") -> Path:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(
+            "config",
+            overrides=[
+                f"output_dir={output_dir}",
+                f"model.cache_dir={cache_dir}",
+                f"logger.wandb.mode={wandb}",
+                *TINY,
+                *overrides,
+            ],
+        )
+    return script.run(cfg)
+
+
+def run_subprocess(cache_dir: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, ROLLOUT_CACHE=str(cache_dir), WANDB_SILENT="true", HF_HUB_OFFLINE="1")
+    env.pop("WANDB_MODE", None)
+    flags = [a for a in args if a.startswith("--")]  # Hydra's flags must precede the overrides
+    overrides = [a for a in args if not a.startswith("--")]
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *flags, *TINY, *overrides],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def rows(output_dir: Path) -> list[dict]:
+    return pq.read_table(output_dir / "trajectories.parquet").to_pylist()
+
+
+def test_subprocess_default_layout_with_wandb_offline(cache_dir: Path, tmp_path: Path) -> None:
+    """No output_dir given: Hydra's run dir; every artefact lands there, W&B offline writes a .wandb file."""
+    proc = run_subprocess(cache_dir, tmp_path, "data.num_prompts=2", "sampling.n=2", "hydra.run.dir=run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "run"
+    assert f"to {out / 'trajectories.parquet'}" in proc.stdout
+    table = rows(out)
+    assert len(table) == 2 * 2 * 2  # default rounds=2
+    assert {
+        "prompt_ids",
+        "completion_ids",
+        "logprobs",
+        "finish_reason",
+        "policy_version",
+        "group_id",
+        "round",
+        "prompt",
+        "completion",
+        "reward",
+    } <= set(table[0])
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["round"] for m in metrics] == [0, 1]
+    for key in (
+        "generated_tokens_per_s",
+        "prompt_tokens_per_s",
+        "round_time_s",
+        "kv_cache_usage_mean",
+        "kv_cache_usage_peak",
+        "mean_batch_size",
+        "num_preemptions",
+        "completion_len_mean",
+        "completion_len_max",
+        "finish_stop",
+        "finish_length",
+        "reward_mean",
+        "reward_std",
+        "policy_version",
+    ):
+        assert key in metrics[0], key
+    assert json.loads((out / "config.json").read_text())["sampling"]["n"] == 2
+    assert list((out / "wandb").glob("offline-run-*/run-*.wandb")), list((out / "wandb").rglob("*"))
+
+
+def test_compose_overrides_change_row_count(cache_dir: Path, tmp_path: Path) -> None:
+    out = run_composed(tmp_path / "o", cache_dir, "sampling.n=3", "data.num_prompts=5", "rollout.rounds=2")
+    table = rows(out)
+    assert len(table) == 30
+    assert sorted({r["group_id"] for r in table}) == list(range(10))
+    assert all(len(r["completion_ids"]) == len(r["logprobs"]) <= 3 for r in table)
+    assert not (out / "wandb").exists()  # disabled: wandb is not even imported
+
+
+def test_resume_after_crash_has_no_duplicates_or_gaps(cache_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    from rollout.actor import RolloutActor
+
+    out, args = tmp_path / "o", ("sampling.n=2", "data.num_prompts=3", "rollout.rounds=3", "sampling.seed=1")
+    drive = RolloutActor._drive
+
+    def crash_in_round_2(self, pending, r, *rest):
+        if r == 2:
+            raise RuntimeError("simulated crash")
+        return drive(self, pending, r, *rest)
+
+    monkeypatch.setattr(RolloutActor, "_drive", crash_in_round_2)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_composed(out, cache_dir, *args)
+    assert {r["round"] for r in rows(out)} == {0, 1}
+    monkeypatch.setattr(RolloutActor, "_drive", drive)
+    with pytest.raises(ValueError, match="already holds a run; set rollout.resume=true"):
+        run_composed(out, cache_dir, *args)
+    with pytest.raises(ValueError, match=r"cannot resume .* sampling.n: saved 2, now 3"):
+        run_composed(out, cache_dir, *args, "rollout.resume=true", "sampling.n=3")
+    run_composed(out, cache_dir, *args, "rollout.resume=true")
+    table = rows(out)
+    keys = [(r["group_id"], r["sample_index"]) for r in table]
+    assert sorted(keys) == [(g, i) for g in range(9) for i in range(2)]  # each once, none missing
+    assert [r["round"] for r in table] == [0] * 6 + [1] * 6 + [2] * 6
+    assert [json.loads(x)["round"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("override", "error", "needle"),
+    [
+        ("model.path={tmp}/missing", FileNotFoundError, "model.path '.*missing' does not exist"),
+        ("model.path={tmp}", ValueError, "is not a supported checkpoint: no config.json"),
+        (
+            "data.prompt_field=question",
+            ValueError,
+            r"data.prompt_field='question' .* fields are \['prompt', 'answer'\]",
+        ),
+        ("output_dir={tmp}/file/out", ValueError, "output_dir=.* is not writable"),
+    ],
+)
+def test_bad_inputs_fail_before_generation(cache_dir, tmp_path, monkeypatch, override, error, needle) -> None:
+    from rollout.actor import RolloutActor
+
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setattr(RolloutActor, "run_round", lambda self: pytest.fail("generation started"))
+    with pytest.raises(error, match=needle):
+        run_composed(tmp_path / "o", cache_dir, override.format(tmp=tmp_path))
+
+
+def test_subprocess_bad_input_prints_one_error_line(cache_dir: Path, tmp_path: Path) -> None:
+    proc = run_subprocess(cache_dir, tmp_path, f"model.path={tmp_path}/nope", "logger.wandb.mode=disabled")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: model.path")
+    assert "Traceback" not in proc.stderr
+
+
+def test_multirun_sweep_gives_one_output_dir_per_job(cache_dir: Path, tmp_path: Path) -> None:
+    proc = run_subprocess(
+        cache_dir,
+        tmp_path,
+        "--multirun",
+        "sampling.n=1,2",
+        "data.num_prompts=2",
+        "rollout.rounds=1",
+        "logger.wandb.mode=disabled",
+        f"hydra.sweep.dir={tmp_path}/sweep",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(rows(tmp_path / "sweep" / "0")) == 2 and len(rows(tmp_path / "sweep" / "1")) == 4
