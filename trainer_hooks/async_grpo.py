@@ -1,0 +1,266 @@
+"""TRL's asynchronous GRPO (``trl.experimental.async_grpo``) on our engine instead of a vLLM server.
+
+``AsyncGRPOTrainer`` takes two plug-ins: a rollout worker (``RolloutWorkerProtocol``) that keeps a queue
+of scored samples full, and a weight transfer (``WeightTransferProtocol``) that streams the trainer's
+parameters to the generator. Here both live in the trainer's process: ``EngineRolloutWorker`` is a
+thread that steps the engine (one request per prompt group, ``n = num_generations``, so the group
+shares its prompt's KV), and ``EngineWeightTransfer`` calls ``push_weights``, which lands between two
+engine steps and recomputes running sequences, so generation never stops for a sync.
+
+Two things TRL's trainer needs that a CPU does not have, which ``build_async_grpo_trainer`` supplies
+when CUDA is absent: its packed "tree" attention calls a FlashAttention-3 Hub kernel (replaced by the
+plain-torch ``torch_tree_attention``), and it reads the GPU's name for MFU (answered with "unknown").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer_hooks.trl import sampling_params_from_args
+from trainer_hooks.weights import normalize_name, push_weights, resolve_engine
+
+
+class EngineWeightTransfer:
+    """``WeightTransferProtocol`` for an in-process engine. Version k is the trainer's k-th sync, which
+    is exactly ``AsyncGRPOTrainer.model_version`` once that sync completes."""
+
+    def __init__(self, engine_or_actor: Any, start_version: int = 0) -> None:
+        self.target = engine_or_actor
+        resolve_engine(engine_or_actor)
+        self.version = start_version
+        self.seconds: list[float] = []
+
+    def init_weight_transfer(self) -> None:
+        """Nothing to connect: the engine shares the process."""
+
+    def pause(self) -> None:
+        """Nothing to pause: the swap lands between two engine steps under the engine's lock."""
+
+    def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
+        t0 = time.perf_counter()
+        plain = ((hf, t) for name, t in iterator if (hf := normalize_name(name)) is not None)
+        push_weights(self.target, plain, version=self.version + 1)
+        self.version += 1
+        self.seconds.append(time.perf_counter() - t0)
+
+    def resume(self) -> None:
+        """Nothing to resume (see ``pause``)."""
+
+    def destroy(self) -> None:
+        """Nothing to release."""
+
+
+class EngineRolloutWorker:
+    """``RolloutWorkerProtocol``: a thread that cycles the dataset, generates a group per prompt, scores
+    it with TRL-style reward functions and puts one ``RolloutSample`` per completion on
+    ``rollout_buffer``. At most ``max_inflight`` completions are generated or queued but not consumed."""
+
+    def __init__(self, engine_or_actor: Any, dataset: Any, reward_funcs: list[Callable[..., list[float]]],
+                 tokenizer: Any, args: Any, max_inflight: int | None = None) -> None:
+        if args.num_generations < 1:
+            raise ValueError(f"num_generations must be >= 1, got {args.num_generations}")
+        if len(dataset) == 0 or "prompt" not in dataset.column_names:
+            raise ValueError(f"the dataset needs rows with a 'prompt' column, got {dataset.column_names}")
+        self.engine = resolve_engine(engine_or_actor)
+        self.dataset, self.reward_funcs, self.tokenizer = dataset, list(reward_funcs), tokenizer
+        self.n = args.num_generations
+        self.params = dataclasses.replace(sampling_params_from_args(args, self._eos_ids(tokenizer)), n=self.n)
+        self.chat_template_kwargs = dict(getattr(args, "chat_template_kwargs", None) or {})
+        per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        self.max_inflight = max_inflight or max(1, getattr(args, "max_staleness", 1)) * max(per_step, self.n)
+        self.rollout_buffer: queue.Queue = queue.Queue()
+        self.metrics_queue: queue.Queue = queue.Queue(maxsize=4096)
+        self.model_version = 0
+        self.heartbeat = time.time()
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pending: dict[str, tuple[int, dict[str, Any], list[int]]] = {}
+        self._next_group = 0
+
+    # ---- protocol -------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self.heartbeat = time.time()
+        self._thread = threading.Thread(target=self._run, name="engine-rollout-worker", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+            self._thread = None
+        for request_id in list(self._pending):
+            self.engine.abort(request_id)
+        self._pending.clear()
+        while self.engine.has_unfinished_requests():  # drain the aborted outputs
+            self.engine.step()
+
+    def update_model_version(self, model_version: int) -> None:
+        self.model_version = int(model_version)
+
+    def check_health(self, stale_after_s: float) -> None:
+        if self.error is not None:
+            raise RuntimeError("the engine rollout worker failed; see the chained exception") from self.error
+        age = time.time() - self.heartbeat
+        if self._thread is not None and age > stale_after_s:
+            raise RuntimeError(f"engine rollout worker heartbeat stale: {age:.0f}s > {stale_after_s:.0f}s")
+
+    # ---- the loop -------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.heartbeat = time.time()
+                while (len(self._pending) + 1) * self.n + self.rollout_buffer.qsize() <= self.max_inflight:
+                    self._submit()
+                if not self._pending:
+                    time.sleep(0.01)  # backpressure: the trainer has enough samples waiting
+                    continue
+                for out in self.engine.step():
+                    if out.request_id in self._pending:
+                        self._finish(out, *self._pending.pop(out.request_id))
+        except BaseException as e:  # surfaced to the trainer by check_health
+            self.error = e
+
+    def _submit(self) -> None:
+        group = self._next_group
+        self._next_group += 1
+        row = self.dataset[group % len(self.dataset)]
+        ids = self._encode(row["prompt"])
+        request_id = self.engine.add_request(ids, self.params, f"async-grpo-group{group}")
+        self._pending[request_id] = (group, row, ids)
+
+    def _encode(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(text=prompt)["input_ids"])
+        return list(self.tokenizer.apply_chat_template(
+            prompt, add_generation_prompt=True, tokenize=True, return_dict=True, **self.chat_template_kwargs
+        )["input_ids"])
+
+    def _finish(self, out: Any, group: int, row: dict[str, Any], prompt_ids: list[int]) -> None:
+        from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+        comps = sorted(out.outputs, key=lambda c: c.index)
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps]
+        conversational = not isinstance(row["prompt"], str)
+        completions = [[{"role": "assistant", "content": t}] if conversational else t for t in texts]
+        rewards, per_func = self._score(row, completions, [list(c.token_ids) for c in comps])
+        ok = ~np.isnan(rewards)
+        advantages = np.zeros_like(rewards)
+        std = float(rewards[ok].std()) if ok.any() else math.nan
+        if ok.any():
+            advantages[ok] = (rewards[ok] - rewards[ok].mean()) / (std + 1e-8)
+        now = time.time()
+        for i, c in enumerate(comps):
+            metrics = {"reward": float(rewards[i]), "reward_std": std}
+            metrics.update({f"rewards/{name}": float(v[i]) for name, v in per_func.items()})
+            p, k = len(prompt_ids), len(c.token_ids)
+            self.rollout_buffer.put(RolloutSample(
+                prompt=row["prompt"], completion=completions[i],
+                input_ids=np.asarray(prompt_ids + list(c.token_ids), dtype=np.int64),
+                completion_mask=np.asarray([0] * p + [1] * k, dtype=np.int64),
+                old_log_probs=np.asarray([0.0] * p + list(c.logprobs), dtype=np.float32),
+                advantage=float(advantages[i]),
+                model_version=min(c.policy_versions) if c.policy_versions else self.engine.policy_version,
+                group_id=group, metrics=metrics, enqueued_at=now,
+            ))
+        with contextlib.suppress(queue.Full):
+            self.metrics_queue.put_nowait({
+                "rollout/completion_len_mean": float(np.mean([len(c.token_ids) for c in comps])),
+                "rollout/engine_policy_version": float(self.engine.policy_version),
+            })
+
+    def _score(self, row: dict[str, Any], completions: list[Any], ids: list[list[int]]
+               ) -> tuple[np.ndarray, dict[str, list[float]]]:
+        extra = {k: [v] * self.n for k, v in row.items() if k != "prompt"}
+        per_func: dict[str, list[float]] = {}
+        for fn in self.reward_funcs:
+            values = fn(prompts=[row["prompt"]] * self.n, completions=completions, completion_ids=ids, **extra)
+            per_func[getattr(fn, "__name__", "reward")] = [math.nan if v is None else float(v) for v in values]
+        arr = np.array(list(per_func.values()), dtype=float).reshape(len(per_func), self.n)
+        rewards = np.nansum(arr, axis=0)
+        rewards[np.all(np.isnan(arr), axis=0)] = np.nan
+        return rewards, per_func
+
+    @staticmethod
+    def _eos_ids(tokenizer: Any) -> list[int]:
+        eos = getattr(tokenizer, "eos_token_id", None)
+        return [eos] if isinstance(eos, int) else []
+
+
+# ---- running AsyncGRPOTrainer without CUDA ------------------------------------------------------------
+def torch_tree_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: Any, *, tree_kv_index: torch.Tensor, tree_cu_seqlens_q: torch.Tensor,
+                         tree_cu_seqlens_k: torch.Tensor, scaling: float | None = None,
+                         sliding_window: int | None = None, softcap: float | None = None, **_: Any
+                         ) -> tuple[torch.Tensor, None]:
+    """TRL's tree attention in plain torch: each packed segment attends, causally and aligned to its end
+    (FlashAttention's varlen convention), to the K/V rows of its root-to-segment path."""
+    q = query.transpose(1, 2)[0]
+    k = key.transpose(1, 2)[0].index_select(0, tree_kv_index)
+    v = value.transpose(1, 2)[0].index_select(0, tree_kv_index)
+    rep = q.shape[1] // k.shape[1]
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = torch.empty_like(q)
+    cu_q, cu_k = tree_cu_seqlens_q.tolist(), tree_cu_seqlens_k.tolist()
+    for s in range(len(cu_q) - 1):
+        qs = q[cu_q[s]:cu_q[s + 1]]
+        ks = k[cu_k[s]:cu_k[s + 1]].repeat_interleave(rep, dim=1)
+        vs = v[cu_k[s]:cu_k[s + 1]].repeat_interleave(rep, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qs, ks).float() * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        qpos = torch.arange(len(qs), device=q.device)[:, None] + (len(ks) - len(qs))
+        kpos = torch.arange(len(ks), device=q.device)[None, :]
+        allowed = kpos <= qpos
+        if sliding_window:
+            allowed &= kpos > qpos - sliding_window
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1).to(vs.dtype)
+        out[cu_q[s]:cu_q[s + 1]] = torch.einsum("hqk,khd->qhd", probs, vs)
+    return out.unsqueeze(0), None
+
+
+def build_async_grpo_trainer(model_path: str, engine_or_actor: Any, reward_funcs: list[Callable[..., list[float]]],
+                             args: Any, train_dataset: Any, processing_class: Any,
+                             torch_attention: bool | None = None, **kwargs: Any) -> Any:
+    """An ``AsyncGRPOTrainer`` wired to the engine (rollouts and weight sync), no vLLM server involved.
+
+    ``torch_attention`` (default: when CUDA is unavailable) swaps TRL's FlashAttention-3 tree attention for
+    ``torch_tree_attention`` and skips the GPU-name lookup TRL does for MFU. ``args.token_budget`` unset
+    defaults to the engine's ``max_model_len`` (TRL would ask the vLLM server).
+    """
+    from transformers import AttentionInterface
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+    from trl.experimental.async_grpo import async_grpo_trainer as trainer_module
+    from trl.experimental.async_grpo.packing import TREE_ATTENTION
+
+    engine = resolve_engine(engine_or_actor)
+    if args.token_budget is None:
+        args.token_budget = engine.max_model_len
+    use_torch = (not torch.cuda.is_available()) if torch_attention is None else torch_attention
+    worker = EngineRolloutWorker(engine_or_actor, train_dataset, reward_funcs, processing_class, args)
+    original = trainer_module.get_peak_flops_per_device
+    if use_torch:
+        trainer_module.get_peak_flops_per_device = lambda *a, **k: None
+    try:
+        trainer = AsyncGRPOTrainer(model=model_path, reward_funcs=reward_funcs, args=args,
+                                   train_dataset=train_dataset, processing_class=processing_class,
+                                   rollout_worker=worker, weight_transfer=EngineWeightTransfer(engine_or_actor),
+                                   **kwargs)
+    finally:
+        trainer_module.get_peak_flops_per_device = original
+    if use_torch:  # after construction: the trainer registers its own kernel under the same name
+        AttentionInterface.register(TREE_ATTENTION, torch_tree_attention)
+    return trainer
