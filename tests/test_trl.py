@@ -190,7 +190,8 @@ def test_sampling_params_from_trainer_args():
 
 def test_peft_adapter_is_merged_for_the_push_only():
     calls = []
-    model = SimpleNamespace(merge_adapter=lambda: calls.append("merge"), unmerge_adapter=lambda: calls.append("unmerge"))
+    model = SimpleNamespace(merge_adapter=lambda: calls.append("merge"),
+                            unmerge_adapter=lambda: calls.append("unmerge"))
     with pytest.raises(RuntimeError):
         with merged_adapter(model):
             raise RuntimeError("push failed")
