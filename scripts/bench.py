@@ -166,6 +166,30 @@ def run_hf(hf: torch.nn.Module, w: dict, modes: list[str]) -> dict:
     return res
 
 
+def run_weight_push(hf: torch.nn.Module, preset: str, repeats: int = 3) -> dict:
+    """Seconds to push every weight into a live engine: from GPU tensors and from pinned CPU tensors."""
+    engine = Engine.from_pretrained(hf, dtype="bfloat16", max_model_len=1024, num_blocks=256)
+    gpu = [(n, p.detach()) for n, p in hf.named_parameters()]
+    host = [(n, t.to("cpu").pin_memory()) for n, t in gpu]
+    nbytes = sum(t.numel() * t.element_size() for _, t in gpu)
+    rec = dict(workload="weight_push", preset=preset, bytes=nbytes, device=torch.cuda.get_device_name(),
+               timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), commit=_commit())
+    for label, src in (("gpu", gpu), ("pinned_cpu", host)):
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.update_weights(src)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        rec[f"{label}_ms"] = round(min(times) * 1e3, 1)
+        rec[f"{label}_gbps"] = round(nbytes / min(times) / 1e9, 1)
+    del engine, host
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rec
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -182,6 +206,7 @@ def main() -> None:
     p.add_argument("--hf-modes", default="sync_graph", help="HF modes to run (its best measured: sync_graph)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--new", type=int, default=None, help="override new tokens (smoke runs)")
+    p.add_argument("--weight-push", action="store_true", help="also time update_weights of the workload's model")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -199,7 +224,7 @@ def main() -> None:
             torch.cuda.empty_cache()
             models[w["preset"]] = build_hf(w["preset"])
         hf = models[w["preset"]]
-        recs = [run_ours(name, w, hf, mode, bw, args) for mode in args.modes.split(",")]
+        recs = [run_ours(name, w, hf, mode, bw, args) for mode in args.modes.split(",") if mode]
         if len(recs) == 2 and recs[1]["mode"] == "sync":
             recs[0]["vs_sync"] = round(recs[0]["tok_s"] / recs[1]["tok_s"], 3)
             recs[0]["peak_mem_over_sync_gib"] = round(recs[0]["peak_mem_gib"] - recs[1]["peak_mem_gib"], 2)
@@ -209,6 +234,8 @@ def main() -> None:
             for r in recs:
                 r["hf"] = hf_res
                 r["vs_hf"] = round(r["tok_s"] / best, 3) if best else None
+        if args.weight_push:
+            recs.append(run_weight_push(hf, w["preset"]))
         for r in recs:
             line = json.dumps(r)
             print(line, flush=True)

@@ -171,9 +171,10 @@ class CudaModelRunner:
         temp[:n_rows], top_k[:n_rows], top_p[:n_rows], min_p[:n_rows] = 0.0, 0, 1.0, 0.0
         seed[:n_rows], pos[:n_rows], mode[:n_rows] = 0, 0, 0
         sup[:n_rows] = -1
+        if rows:
+            temp[rows], top_k[rows], top_p[rows], min_p[rows] = h.temperature, h.top_k, h.top_p, h.min_p
+            seed[rows], pos[rows], mode[rows] = h.seed, h.position, h.mode
         for j, r in enumerate(rows):
-            temp[r], top_k[r], top_p[r], min_p[r] = h.temperature[j], h.top_k[j], h.top_p[j], h.min_p[j]
-            seed[r], pos[r], mode[r] = h.seed[j], h.position[j], h.mode[j]
             if h.suppress[j]:
                 sup[r, : len(h.suppress[j])] = h.suppress[j]
 

@@ -86,6 +86,10 @@ class Scheduler:
             n = self._num_new_tokens(seq, budget)
             if n == 0:
                 continue
+            if n == 1 and self._fits_in_last_block(seq):
+                chosen.append((seq, 1))  # the common decode step: no block-manager work at all
+                budget -= 1
+                continue
             while not self.block_manager.can_append(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -129,6 +133,13 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _fits_in_last_block(self, seq: Sequence) -> bool:
+        """The next position lies in the sequence's own, unshared, partly filled last block."""
+        table, bs = seq.block_table, self.block_manager.block_size
+        pos = seq.num_computed_tokens
+        return (bool(table) and (len(table) - 1) * bs < pos < len(table) * bs
+                and self.block_manager.blocks[table[-1]].ref_count == 1)
+
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         target = seq.num_tokens
         if seq.num_output_tokens >= seq.params.max_tokens:
@@ -146,22 +157,19 @@ class Scheduler:
             carry = -1
             if inputs[-1] == PLACEHOLDER:
                 carry = self._prev_rows[seq.seq_id]
-            assert PLACEHOLDER not in inputs[:-1], "only the newest token can be in flight"
+            assert n == 1 or PLACEHOLDER not in inputs[:-1], "only the newest token can be in flight"
             sample = start + n == seq.num_tokens
             p = seq.params
-            plan = SeqPlan(seq.seq_id, inputs, start, list(seq.block_table), sample, carry)
+            # The table is shared, not copied: runners read it before the next schedule() changes it.
             if sample:
-                plan.temperature, plan.top_k, plan.top_p, plan.min_p = (
-                    p.temperature, p.effective_top_k, p.top_p, p.min_p,
-                )
-                plan.seed = seq.sample_seed
-                plan.sample_pos = seq.num_output_tokens
-                plan.logprobs_mode = p.logprobs_mode
-                if seq.num_output_tokens < p.min_tokens:
-                    plan.suppress_ids = seq.stop_ids
+                plan = SeqPlan(seq.seq_id, inputs, start, seq.block_table, True, carry, p.temperature,
+                               p.effective_top_k, p.top_p, p.min_p, seq.sample_seed, seq.num_output_tokens,
+                               p.logprobs_mode, seq.stop_ids if seq.num_output_tokens < p.min_tokens else ())
                 rows[seq.seq_id] = len(rows)
                 seq.token_ids.append(PLACEHOLDER)
                 seq.num_inflight += 1
+            else:
+                plan = SeqPlan(seq.seq_id, inputs, start, seq.block_table, False, carry)
             seq.num_computed_tokens = start + n
             plans.append(plan)
         self._prev_rows = rows
