@@ -19,7 +19,14 @@ from rollout.sampling_params import LOGPROBS_MODES, SamplingParams
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 WANDB_MODES = ("online", "offline", "disabled")
 # Keys that may change between a run and its resume (where the output goes, how long, how it is logged).
-RESUME_FREE_KEYS = ("output_dir", "rollout.rounds", "rollout.resume", "model.cache_dir", "logger")
+RESUME_FREE_KEYS = (
+    "output_dir",
+    "rollout.rounds",
+    "rollout.resume",
+    "rollout.torch_threads",
+    "model.cache_dir",
+    "logger",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,10 +124,15 @@ class RolloutConfig:
     rounds: int = 2
     resume: bool = False  # continue after the last complete round found in output_dir
     reward: str | None = "exact_match"  # None = no reward column
+    # torch intra-op threads while the job runs; None = torch's default. Small CPU models run several
+    # times faster on one thread (no OpenMP hand-offs per tiny op), hence 1 for the embedded default.
+    torch_threads: int | None = 1
 
     def __post_init__(self) -> None:
         _int("rollout.rounds", self.rounds, lo=1)
         _bool("rollout.resume", self.resume)
+        if self.torch_threads is not None:
+            _int("rollout.torch_threads", self.torch_threads, lo=1, allowed="an int >= 1 or null")
         if self.reward is not None:
             _choice("rollout.reward", self.reward, tuple(REWARDS), f"one of {sorted(REWARDS)} or null")
 

@@ -74,6 +74,7 @@ def run_job(job: JobConfig) -> Path:
         progress=job.logger.progress,
     )
     exit_code = 1
+    threads = torch_threads(job.rollout.torch_threads)
     try:
         for _ in range(start, job.rollout.rounds):
             result = actor.run_round()
@@ -82,10 +83,21 @@ def run_job(job: JobConfig) -> Path:
             print(_summary(result.metrics), flush=True)
         exit_code = 0
     finally:
+        torch_threads(threads)
         logger.finish(exit_code)
     where = f" (wandb run: {logger.run_dir})" if logger.run_dir is not None else ""
     print(f"wrote {writer.num_rows} trajectories to {writer.dir / 'trajectories.parquet'}{where}")
     return writer.dir
+
+
+def torch_threads(n: int | None) -> int:
+    """Set torch's intra-op thread count (None leaves it); returns the previous one, to restore after."""
+    import torch
+
+    previous = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    return previous
 
 
 def _start_round(job: JobConfig, writer: Any) -> int:

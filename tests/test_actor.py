@@ -278,7 +278,18 @@ def test_default_model_is_cached_and_a_checkpoint(default_model: Path, tmp_path:
         check_checkpoint_dir(tmp_path)
 
 
-def test_real_engine_round_and_weight_swap(default_model: Path, tokenizer) -> None:
+@pytest.fixture
+def one_thread():
+    """Tiny models on a shared CPU: one intra-op thread is several times faster (as the job sets it)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_real_engine_round_and_weight_swap(default_model: Path, tokenizer, one_thread) -> None:
     from rollout import Engine
 
     engine = Engine.from_pretrained(str(default_model), dtype="float32", device="cpu", max_num_seqs=16)

@@ -72,49 +72,6 @@ def rows(output_dir: Path) -> list[dict]:
     return pq.read_table(output_dir / "trajectories.parquet").to_pylist()
 
 
-def test_subprocess_default_layout_with_wandb_offline(cache_dir: Path, tmp_path: Path) -> None:
-    """No output_dir given: Hydra's run dir; every artefact lands there, W&B offline writes a .wandb file."""
-    proc = run_subprocess(cache_dir, tmp_path, "data.num_prompts=2", "sampling.n=2", "hydra.run.dir=run")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = tmp_path / "run"
-    assert f"to {out / 'trajectories.parquet'}" in proc.stdout
-    table = rows(out)
-    assert len(table) == 2 * 2 * 2  # default rounds=2
-    assert {
-        "prompt_ids",
-        "completion_ids",
-        "logprobs",
-        "finish_reason",
-        "policy_version",
-        "group_id",
-        "round",
-        "prompt",
-        "completion",
-        "reward",
-    } <= set(table[0])
-    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["round"] for m in metrics] == [0, 1]
-    for key in (
-        "generated_tokens_per_s",
-        "prompt_tokens_per_s",
-        "round_time_s",
-        "kv_cache_usage_mean",
-        "kv_cache_usage_peak",
-        "mean_batch_size",
-        "num_preemptions",
-        "completion_len_mean",
-        "completion_len_max",
-        "finish_stop",
-        "finish_length",
-        "reward_mean",
-        "reward_std",
-        "policy_version",
-    ):
-        assert key in metrics[0], key
-    assert json.loads((out / "config.json").read_text())["sampling"]["n"] == 2
-    assert list((out / "wandb").glob("offline-run-*/run-*.wandb")), list((out / "wandb").rglob("*"))
-
-
 def test_compose_overrides_change_row_count(cache_dir: Path, tmp_path: Path) -> None:
     out = run_composed(tmp_path / "o", cache_dir, "sampling.n=3", "data.num_prompts=5", "rollout.rounds=2")
     table = rows(out)
@@ -181,16 +138,53 @@ def test_subprocess_bad_input_prints_one_error_line(cache_dir: Path, tmp_path: P
     assert "Traceback" not in proc.stderr
 
 
-def test_multirun_sweep_gives_one_output_dir_per_job(cache_dir: Path, tmp_path: Path) -> None:
+def test_subprocess_multirun_layout_and_wandb_offline(cache_dir: Path, tmp_path: Path) -> None:
+    """The script as `make run` runs it, swept over 2 values: each job writes every artefact to its own
+    output_dir (the default, Hydra's job dir), and W&B offline leaves a .wandb file there."""
     proc = run_subprocess(
         cache_dir,
         tmp_path,
         "--multirun",
         "sampling.n=1,2",
         "data.num_prompts=2",
-        "rollout.rounds=1",
-        "logger.wandb.mode=disabled",
         f"hydra.sweep.dir={tmp_path}/sweep",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(rows(tmp_path / "sweep" / "0")) == 2 and len(rows(tmp_path / "sweep" / "1")) == 4
+    for job, n in ((0, 1), (1, 2)):
+        out = tmp_path / "sweep" / str(job)
+        assert f"to {out / 'trajectories.parquet'}" in proc.stdout
+        table = rows(out)
+        assert len(table) == 2 * 2 * n  # default rounds=2
+        assert {
+            "prompt_ids",
+            "completion_ids",
+            "logprobs",
+            "finish_reason",
+            "policy_version",
+            "group_id",
+            "round",
+            "prompt",
+            "completion",
+            "reward",
+        } <= set(table[0])
+        metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [m["round"] for m in metrics] == [0, 1]
+        for key in (
+            "generated_tokens_per_s",
+            "prompt_tokens_per_s",
+            "round_time_s",
+            "kv_cache_usage_mean",
+            "kv_cache_usage_peak",
+            "mean_batch_size",
+            "num_preemptions",
+            "completion_len_mean",
+            "completion_len_max",
+            "finish_stop",
+            "finish_length",
+            "reward_mean",
+            "reward_std",
+            "policy_version",
+        ):
+            assert key in metrics[0], key
+        assert json.loads((out / "config.json").read_text())["sampling"]["n"] == n
+        assert list((out / "wandb").glob("offline-run-*/run-*.wandb")), list(out.rglob("*"))
