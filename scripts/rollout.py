@@ -60,8 +60,8 @@ def run_job(job: JobConfig) -> Path:
     tokenizer = _load_tokenizer(job.model.tokenizer or model_dir, explicit=job.model.tokenizer is not None)
     dataset = load_prompt_dataset(job.data, tokenizer, require_answer=reward_fn is not None)
     engine = _load_engine(job, model_dir, tokenizer)
-    writer.save_config(job.to_dict())
-    logger = WandbLogger(job.logger.wandb, writer.dir, job.to_dict())
+    logger = WandbLogger(job.logger.wandb, writer.dir, job.to_dict())  # may refuse (online, no account)
+    writer.save_config(job.to_dict())  # only now: a run refused above leaves output_dir reusable
     actor = RolloutActor(
         engine,
         dataset,

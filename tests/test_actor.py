@@ -215,6 +215,10 @@ def test_load_local_files_and_bad_fields(tmp_path: Path, tokenizer) -> None:
         )
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_prompt_dataset(DataConfig(path=str(tmp_path / "missing.jsonl")), tokenizer)
+    folder = tmp_path / "folder"  # a dataset dir goes the dataset-name route through `datasets`
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(jsonl.read_text())
+    assert len(load_prompt_dataset(DataConfig(path=str(folder), prompt_field="question"), tokenizer)) == 2
     (tmp_path / "q.txt").write_text("x")
     with pytest.raises(ValueError, match="unsupported suffix"):
         load_prompt_dataset(DataConfig(path=str(tmp_path / "q.txt")), tokenizer)
@@ -253,6 +257,20 @@ def test_writer_rounds_resume_and_torn_metrics(tmp_path: Path, tokenizer) -> Non
     with pytest.raises(ValueError, match="columns"):
         TrajectoryWriter(tmp_path, with_reward=False).resume()
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_wandb_online_without_account_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
+    from rollout.job_config import WandbConfig
+    from rollout.wandb_logger import WandbLogger
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc credentials
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    with pytest.raises(
+        ValueError, match="logger.wandb.mode='online': wandb.init failed .* use logger.wandb.mode=off"
+    ):
+        WandbLogger(WandbConfig(mode="online"), tmp_path, {})
+    assert not WandbLogger(WandbConfig(mode="disabled"), tmp_path, {}).enabled
 
 
 def test_unwritable_output_dir(tmp_path: Path) -> None:
