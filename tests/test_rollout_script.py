@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
+from safetensors.torch import save_file
 
 from rollout.assets import materialize_default_model
 
@@ -120,12 +122,28 @@ def test_resume_after_crash_has_no_duplicates_or_gaps(cache_dir: Path, tmp_path:
             r"data.prompt_field='question' .* fields are \['prompt', 'answer'\]",
         ),
         ("output_dir={tmp}/file/out", ValueError, "output_dir=.* is not writable"),
+        (
+            "model.path={tmp}/gpt2",
+            ValueError,
+            r"cannot load the model .* unsupported architecture \['GPT2LMHeadModel'\]",
+        ),
+        (
+            "data.path={tmp}/file",
+            ValueError,
+            r"data.path=.* unsupported suffix; allowed: \['.json', '.jsonl'",
+        ),
     ],
 )
 def test_bad_inputs_fail_before_generation(cache_dir, tmp_path, monkeypatch, override, error, needle) -> None:
     from rollout.actor import RolloutActor
 
     (tmp_path / "file").write_text("x")
+    gpt2 = tmp_path / "gpt2"  # a checkpoint of an architecture the engine does not implement
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
+    save_file({"wte.weight": torch.zeros(2, 2)}, str(gpt2 / "model.safetensors"))
     monkeypatch.setattr(RolloutActor, "run_round", lambda self: pytest.fail("generation started"))
     with pytest.raises(error, match=needle):
         run_composed(tmp_path / "o", cache_dir, override.format(tmp=tmp_path))
