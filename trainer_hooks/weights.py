@@ -191,6 +191,10 @@ def push_weights(target: Any, named_tensors: NamedTensors, version: int | None =
     with engine._lock:
         _drain_inflight(engine)
         stream_into(engine.weights.mapper, named_tensors)
+        if engine.device.type == "cuda":
+            # Copies ran on the current stream; the engine computes on its own stream, which would not
+            # wait for them.
+            torch.cuda.synchronize(engine.device)
         engine.block_manager.reset_prefix_cache()
         if recompute_running:
             recompute_running_seqs(engine)
