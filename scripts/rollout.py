@@ -62,6 +62,7 @@ def run_job(job: JobConfig) -> Path:
     engine = _load_engine(job, model_dir, tokenizer)
     logger = WandbLogger(job.logger.wandb, writer.dir, job.to_dict())  # may refuse (online, no account)
     writer.save_config(job.to_dict())  # only now: a run refused above leaves output_dir reusable
+    run_dir = logger.run_dir
     actor = RolloutActor(
         engine,
         dataset,
@@ -85,7 +86,7 @@ def run_job(job: JobConfig) -> Path:
     finally:
         torch_threads(threads)
         logger.finish(exit_code)
-    where = f" (wandb run: {logger.run_dir})" if logger.run_dir is not None else ""
+    where = f" (wandb run: {run_dir})" if run_dir is not None else ""
     print(f"wrote {writer.num_rows} trajectories to {writer.dir / 'trajectories.parquet'}{where}")
     return writer.dir
 

@@ -170,7 +170,7 @@ def test_subprocess_multirun_layout_and_wandb_offline(cache_dir: Path, tmp_path:
     assert proc.returncode == 0, proc.stderr[-3000:]
     for job, n in ((0, 1), (1, 2)):
         out = tmp_path / "sweep" / str(job)
-        assert f"to {out / 'trajectories.parquet'}" in proc.stdout
+        assert f"to {out / 'trajectories.parquet'} (wandb run: {out / 'wandb'}" in proc.stdout
         table = rows(out)
         assert len(table) == 2 * 2 * n  # default rounds=2
         assert {
