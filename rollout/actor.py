@@ -176,18 +176,18 @@ class RolloutActor:
             reward = self.reward_fn(text, prompt.answer) if self.reward_fn is not None else None
             result.append(
                 Trajectory(
-                    r,
-                    group,
-                    c.index,
-                    prompt.index,
-                    prompt.text,
-                    text,
-                    list(out.prompt_token_ids),
-                    list(c.token_ids),
-                    list(c.logprobs),
-                    c.finish_reason or "abort",
-                    int(version),
-                    reward,
+                    round=r,
+                    group_id=group,
+                    sample_index=c.index,
+                    prompt_index=prompt.index,
+                    prompt=prompt.text,
+                    completion=text,
+                    prompt_ids=list(out.prompt_token_ids),
+                    completion_ids=list(c.token_ids),
+                    logprobs=list(c.logprobs),
+                    finish_reason=c.finish_reason or "abort",
+                    policy_version=int(version),
+                    reward=reward,
                 )
             )
         return result
