@@ -163,6 +163,7 @@ class BlockManager:
         assert child.token_ids[:num_tokens] == parent.token_ids[:num_tokens], "fork of a different prefix"
         num_shared = -(-num_tokens // self.block_size)
         assert num_shared <= len(parent.block_table), (num_shared, len(parent.block_table))
+        assert parent.seq_id in self._seq_root, f"parent seq {parent.seq_id} holds no allocation"
         self._seq_root[child.seq_id] = self._seq_root[parent.seq_id]
         child.block_table = parent.block_table[:num_shared]
         for block_id in child.block_table:
