@@ -1,4 +1,9 @@
-"""RMSNorm, written op for op like Hugging Face's so bf16 results round the same way."""
+"""RMSNorm, written op for op like Hugging Face's so bf16 results round the same way.
+
+On CUDA the same math runs as one Triton kernel (``rollout.kernels.fused_norm``), optionally with the
+residual add fused in; the kernel module is imported only there, because Triton decides
+compile-vs-interpret when a kernel is defined and CPU tests set ``TRITON_INTERPRET=1`` before that.
+"""
 
 from __future__ import annotations
 
@@ -19,10 +24,28 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from rollout.kernels.fused_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)[0]
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the decoder's residual add and the next norm together.
+
+        The sum is taken in the model dtype, as HF's ``h = h + sublayer(h)``, so results are the same.
+        """
+        if x.is_cuda:
+            from rollout.kernels.fused_norm import rms_norm
+
+            y, summed = rms_norm(x, self.weight, self.eps, residual)
+            assert summed is not None
+            return y, summed
+        summed = x + residual
+        return self.forward(summed), summed
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

@@ -149,3 +149,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = xf.chunk(2, dim=-1)
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def rotate_qk(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k [T, Hk, D] rotated by the table rows at ``positions``.
+
+    On CUDA one Triton kernel rotates both in place (they are slices of this layer's fresh qkv
+    output, so nothing else sees them); elsewhere the torch ops above, unchanged.
+    """
+    if q.is_cuda:
+        from rollout.kernels.fused_rotary import rotary_qk_  # lazy: see rollout.layers.norm
+
+        rotary_qk_(q, k, positions, cos_sin_cache)
+        return q, k
+    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

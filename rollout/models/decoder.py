@@ -7,6 +7,10 @@ They differ only in a few switches (biases, per-head q/k norm, sliding windows),
 
 The forward takes a flattened batch of new tokens [T] and explicit attention metadata; it has no host
 syncs and no data-dependent Python branches, so a CUDA graph can capture it.
+
+The residual stream is carried next to the hidden state (vLLM's pattern) so each residual add is done
+by the following norm's ``add_forward``: on CUDA one fused Triton kernel, on the CPU the same torch
+ops as HF. Norm, rotary and silu-and-mul pick their Triton kernels themselves when given CUDA tensors.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from rollout.layers.activation import check_activation, silu_and_mul
 from rollout.layers.attention_metadata import AttentionMetadata
 from rollout.layers.linear import MergedLinear
 from rollout.layers.norm import RMSNorm
-from rollout.layers.rotary import RotaryEmbedding, apply_rotary
+from rollout.layers.rotary import RotaryEmbedding, rotate_qk
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +88,8 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         attn_backend: Any,
@@ -97,7 +101,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotate_qk(q, k, positions, cos_sin_cache)
         o = attn_backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -126,15 +130,25 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         attn_backend: Any,
-    ) -> torch.Tensor:
-        # Unfused residual adds, in the model dtype, exactly where HF does them.
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, attn_backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, residual stream before it); the next norm adds the two.
+
+        ``residual`` is None for the first layer, whose input is the embedding itself. The adds
+        happen in the model dtype exactly where HF does them (``h = h + sublayer(...)``).
+        """
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm.add_forward(h, residual)
+        x = self.self_attn(x, positions, cos_sin_cache, kv_cache, meta, attn_backend)
+        x, residual = self.post_attention_layernorm.add_forward(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -159,10 +173,13 @@ class DecoderModel(nn.Module):
         attn_backend: Any,
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions)
+        residual: torch.Tensor | None = None
+        cache = self.rotary_emb.cos_sin_cache
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv_cache, meta, attn_backend)
-        return self.norm(h)
+            h, residual = layer(h, residual, positions, cache, kv_cache, meta, attn_backend)
+        if residual is None:  # no layers
+            return self.norm(h)
+        return self.norm.add_forward(h, residual)[0]
 
 
 class DecoderForCausalLM(nn.Module):
