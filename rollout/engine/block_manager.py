@@ -132,25 +132,29 @@ class BlockManager:
         end = start + num_new_tokens
         assert end <= seq.num_tokens, f"seq {seq.seq_id}: slots up to {end} > {seq.num_tokens} tokens"
         assert seq.seq_id in self._seq_root, f"seq {seq.seq_id} was neither allocate_prefix'ed nor forked"
-        needed = self.num_blocks_needed(seq, num_new_tokens)
-        if needed > self.num_free_blocks:
+        table = seq.block_table
+        copy = self._needs_copy(seq, num_new_tokens)
+        num_new_blocks = max(0, -(-end // bs) - len(table))
+        if num_new_blocks + copy > self.num_free_blocks:
             raise RuntimeError(
-                f"seq {seq.seq_id} needs {needed} blocks, {self.num_free_blocks} free (check can_append)"
+                f"seq {seq.seq_id} needs {num_new_blocks + copy} blocks, {self.num_free_blocks} free; "
+                "callers check can_append first"
             )
-        self._register_full_blocks(seq)
+        if self.enable_prefix_caching and len(seq.block_hashes) < min(start, seq.num_known_tokens) // bs:
+            self._register_full_blocks(seq)
         copies: list[tuple[int, int]] = []
-        if self._needs_copy(seq, num_new_tokens):
+        if copy:
             idx = start // bs
-            src = seq.block_table[idx]
+            src = table[idx]
             self.blocks[src].ref_count -= 1
             assert self.blocks[src].ref_count >= 1, "a shared block lost its other holder"
             dst = self._take_free_block()
-            seq.block_table[idx] = dst
+            table[idx] = dst
             copies.append((src, dst))
-        for i in range(start // bs + 1, len(seq.block_table)):
-            assert self.blocks[seq.block_table[i]].ref_count == 1, "a block past the write head is shared"
-        while len(seq.block_table) * bs < end:
-            seq.block_table.append(self._take_free_block())
+        for i in range(start // bs + 1, len(table)):
+            assert self.blocks[table[i]].ref_count == 1, "a block past the write head is shared"
+        for _ in range(num_new_blocks):
+            table.append(self._take_free_block())
         return copies
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
@@ -206,8 +210,11 @@ class BlockManager:
     # ---- internals ------------------------------------------------------------------------------------
 
     def _needs_copy(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether the block the next write lands in is shared (a fork's partial prompt block)."""
         idx = seq.num_computed_tokens // self.block_size
-        return num_new_tokens > 0 and idx < len(seq.block_table) and self.blocks[seq.block_table[idx]].ref_count > 1
+        if num_new_tokens == 0 or idx >= len(seq.block_table):
+            return False
+        return self.blocks[seq.block_table[idx]].ref_count > 1
 
     def _take_free_block(self) -> int:
         if self._free_plain:
@@ -226,8 +233,6 @@ class BlockManager:
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         """Register blocks full of known, computed tokens (placeholders are only ever trailing)."""
-        if not self.enable_prefix_caching:
-            return
         bs = self.block_size
         num_full = min(seq.num_computed_tokens, seq.num_known_tokens) // bs
         for i in range(len(seq.block_hashes), num_full):
