@@ -284,9 +284,9 @@ def test_allocator_prefers_unhashed_then_least_recently_freed():
     decode(bm, a, 6)  # registers blocks 0 and 1 of a
     hashed = a.block_table[:2]
     bm.free(a)
-    assert bm.num_cached_blocks == 2
+    assert bm.num_cached_blocks == 3  # free() registers the last full block too
     b = make_seq(1, [7, 7, 7, 7, 7])
-    prefill(bm, b)  # needs 3 blocks: 1 never-hashed + a's unhashed tail, then the oldest hashed one
+    prefill(bm, b)  # needs 3 blocks: the never-hashed one, then the least recently freed hashed ones (tail first)
     assert hashed[1] in b.block_table and hashed[0] not in b.block_table
     assert bm.num_cached_blocks == 1
     c = make_seq(2, [1, 2, 9])

@@ -178,7 +178,10 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; tail blocks go to the free list first, so they are reused
-        before head blocks, which are the likelier prefix hits."""
+        before head blocks, which are the likelier prefix hits. Full computed blocks are registered first
+        so a finished sequence's prompt and output stay reusable (every planned token was launched)."""
+        if self.enable_prefix_caching and seq.seq_id in self._seq_root:
+            self._register_full_blocks(seq)
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             assert block.ref_count >= 1, f"block {block_id} freed with ref_count {block.ref_count}"

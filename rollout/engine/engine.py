@@ -143,7 +143,10 @@ class Engine:
             if plan is not None:
                 self._stats["steps"] += 1
                 self._stats["scheduled"] += len(plan.seqs)
-                self._stats["prompt"] += sum(len(s.input_ids) for s in plan.seqs if not s.sample)
+                seqs = self.scheduler.seqs
+                self._stats["prompt"] += sum(
+                    max(0, min(s.seq_len, seqs[s.seq_id].num_prompt_tokens) - s.start_pos) for s in plan.seqs
+                )
             if self.async_mode:
                 previous, self._inflight = self._inflight, launched
                 if previous is not None:
