@@ -328,3 +328,44 @@ def test_bench_weight_push_runs_on_cpu(old, new):
     assert result["bytes"] == sum(p.numel() * 4 for p in new.parameters())
     assert all(result[f"{k}_s"] > 0 for k in ("device", "pinned_host", "device_iterator"))
     assert engine.policy_version == 3
+
+
+@pytest.fixture(scope="module")
+def three(old, new):
+    return [old, new, make_tiny_hf_model("llama", seed=2)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_in_flight_updates_under_preemption_and_sharing(three, seed):
+    """Two pushes at random steps over a crowd with n > 1, shared prefixes, preemption, chunked prefill and
+    (for some seeds) async mode: every token equals its version's model, teacher-forced."""
+    import random
+
+    from rollout import SamplingParams
+
+    models = three
+    rng = random.Random(seed)
+    engine = make_engine(models[0], block_size=4, num_blocks=rng.choice([40, 80]),
+                         max_num_batched_tokens=rng.choice([16, 64]), async_mode=seed % 2 == 1)
+    prompts = random_prompts(5, 256, lo=3, hi=30, seed=seed)
+    prompts += [prompts[0][: rng.randint(1, len(prompts[0]))] + p for p in prompts[:2]]
+    requests = {}
+    for p in prompts:
+        sp = SamplingParams(n=rng.choice([1, 2, 4]), max_tokens=rng.randint(4, 16), seed=rng.randint(0, 99),
+                            ignore_eos=True)
+        requests[engine.add_request(p, sp)] = p
+    done, version = {}, 0
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step()})
+        if version < 2 and rng.random() < 0.2:
+            version += 1
+            push_weights(engine, models[version].named_parameters())
+            requests[engine.add_request(prompts[0], SamplingParams(n=2, max_tokens=5, ignore_eos=True))] = prompts[0]
+    print(f"seed {seed}: {version} pushes, {engine.get_stats().num_preemptions} preemptions")
+    for rid, p in requests.items():
+        for c in done[rid].outputs:
+            assert c.policy_versions == sorted(c.policy_versions)
+            for v in set(c.policy_versions):
+                idx = torch.tensor([i for i, x in enumerate(c.policy_versions) if x == v])
+                ref = hf_logprobs(models[v], p, c.token_ids)[idx, torch.tensor(c.token_ids)[idx]]
+                assert torch.allclose(torch.tensor(c.logprobs)[idx], ref, atol=1e-4)
