@@ -194,15 +194,25 @@ def _bad_updates(new):
     }
 
 
+class _Reiterable:
+    """Iterable but not an iterator: push_weights validates it in one pass and copies in a second."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __iter__(self):
+        return iter(self.items)
+
+
 @pytest.mark.parametrize("case", ["unknown name", "wrong shape", "nan", "inf", "int dtype", "not a pair"])
-@pytest.mark.parametrize("form", ["list", "generator"])
+@pytest.mark.parametrize("form", ["list", "generator", "reiterable"])
 def test_every_rejection_leaves_engine_unchanged(old, new, update, case, form):
     engine = make_engine(old, block_size=8)
     prompt = random_prompts(1, old.config.vocab_size, seed=9)[0]
     before = engine.generate([prompt], greedy(6))[0].outputs[0]
     snap = _snapshot(engine)
     items, named = _bad_updates(new)[case]
-    source = items if form == "list" else (x for x in items)
+    source = {"list": items, "generator": (x for x in items), "reiterable": _Reiterable(items)}[form]
     with pytest.raises((ValueError, TypeError, KeyError)) as info:
         update(engine, source)
     assert named in str(info.value)

@@ -90,16 +90,18 @@ class HFWeights:
 
 # ---- validate and copy --------------------------------------------------------------------------------
 def _checked(mapper: WeightMapper, i: int, item: object) -> tuple[str, torch.Tensor]:
-    """Name, shape, dtype kind and finiteness of one item; the error names the tensor."""
+    """Name, shape and dtype kind of one item (finiteness is separate); the error names the tensor."""
     if not (isinstance(item, tuple) and len(item) == 2):
         raise TypeError(f"weights must be (name, tensor) pairs; item {i} is {type(item).__name__}")
     name, tensor = item
     if not isinstance(name, str):
         raise TypeError(f"weight name of item {i} must be a str, got {type(name).__name__}")
     mapper.validate(name, tensor)
-    if not bool(torch.isfinite(tensor).all()):
-        raise ValueError(f"weight {name!r} has non-finite values (nan/inf); update rejected")
-    return name, tensor
+    return name, tensor.detach()
+
+
+def _non_finite(name: str) -> ValueError:
+    return ValueError(f"weight {name!r} has non-finite values (nan/inf); update rejected, nothing changed")
 
 
 def _destination(mapper: WeightMapper, name: str) -> torch.Tensor:
@@ -107,18 +109,34 @@ def _destination(mapper: WeightMapper, name: str) -> torch.Tensor:
     return param.data if rows is None else param.data[rows]
 
 
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Non-blocking from pinned memory (the caller synchronises once at the end); a re-iterable source
+    holds its tensors, so they outlive the copies."""
+    dst.copy_(src, non_blocking=src.device.type == "cpu" and src.is_pinned())
+
+
 def _two_pass(mapper: WeightMapper, source: Callable[[], Iterator[Any]]) -> int:
-    """Validate the whole source, then walk it again and copy: O(1 tensor) extra memory."""
+    """Validate the whole source, then walk it again and copy: O(1 tensor) extra memory. Finiteness flags
+    stay where the data is and are read with one synchronisation."""
     seen: list[tuple[str, tuple[int, ...]]] = []
+    flags: list[torch.Tensor] = []
     for i, item in enumerate(source()):
         name, tensor = _checked(mapper, i, item)
         seen.append((name, tuple(tensor.shape)))
+        flags.append(torch.isfinite(tensor).all())
+    on_gpu = [i for i, f in enumerate(flags) if f.device.type != "cpu"]
+    ok = [bool(f) if f.device.type == "cpu" else True for f in flags]
+    if on_gpu:
+        for i, good in zip(on_gpu, torch.stack([flags[i] for i in on_gpu]).cpu().tolist()):
+            ok[i] = good
+    if not all(ok):
+        raise _non_finite(seen[ok.index(False)][0])
     with torch.no_grad():
         for i, (name, tensor) in enumerate(source()):
             if i >= len(seen) or seen[i] != (name, tuple(tensor.shape)):
                 raise RuntimeError(f"weight source changed between its validation and copy passes at item {i}")
             if not is_ignored(name):
-                _destination(mapper, name).copy_(tensor)
+                _copy(_destination(mapper, name), tensor.detach())
     return len(seen)
 
 
@@ -131,12 +149,14 @@ def _undo_stream(mapper: WeightMapper, items: Iterator[Any]) -> int:
         try:
             for i, item in enumerate(items):
                 name, tensor = _checked(mapper, i, item)
+                if not bool(torch.isfinite(tensor).all()):
+                    raise _non_finite(name)
                 count += 1
                 if is_ignored(name):
                     continue
                 dst = _destination(mapper, name)
                 undo.append((dst, dst.to("cpu", copy=True)))
-                dst.copy_(tensor)
+                dst.copy_(tensor)  # blocking: a generator may refill the same buffer for its next item
         except BaseException:
             for dst, old in reversed(undo):  # reversed: tied names sharing storage end at the oldest value
                 dst.copy_(old)
@@ -180,6 +200,9 @@ def push_weights(target: Any, named_tensors: NamedTensors, version: int | None =
                  recompute_running: bool = True) -> int:
     """Swap weights into a live engine at a step boundary; returns the new ``policy_version``.
 
+    A mapping or list goes through the engine's own ``WeightSync`` (it is already in memory); a module,
+    ``HFWeights`` or other re-iterable is walked twice, a one-shot iterator once with an undo copy.
+
     Safe from any thread: it holds the engine's lock, so a concurrent ``step()`` sees old or new weights,
     never a mix. A step still in flight (async mode) is collected first, under the old version. With
     ``recompute_running`` (default) running sequences drop their KV and are recomputed with the new
@@ -190,7 +213,10 @@ def push_weights(target: Any, named_tensors: NamedTensors, version: int | None =
         raise TypeError(f"version must be an int or None, got {version!r}")
     with engine._lock:
         _drain_inflight(engine)
-        stream_into(engine.weights.mapper, named_tensors)
+        if isinstance(named_tensors, (Mapping, list, tuple)):
+            engine.weights.apply(named_tensors)  # already in memory: the engine's own validate-then-copy
+        else:
+            stream_into(engine.weights.mapper, named_tensors)
         if engine.device.type == "cuda":
             # Copies ran on the current stream; the engine computes on its own stream, which would not
             # wait for them.
