@@ -42,8 +42,8 @@ USER_ERRORS = (ValueError, FileNotFoundError)
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
     trainer: str = "grpo"
-    steps: int = 30
-    learning_rate: float = 3e-3
+    steps: int = 40
+    learning_rate: float = 5e-3
     reward: str = "digit_fraction"
     beta: float = 0.0
     max_grad_norm: float = 1.0
