@@ -18,6 +18,7 @@ __all__ = [
     "bench_weight_push",
     "EngineRolloutWorker",
     "EngineWeightTransfer",
+    "build_async_grpo_trainer",
 ]
 
 _WHERE = {
@@ -28,10 +29,11 @@ _WHERE = {
     "bench_weight_push": "trainer_hooks.weights",
     "EngineRolloutWorker": "trainer_hooks.async_grpo",
     "EngineWeightTransfer": "trainer_hooks.async_grpo",
+    "build_async_grpo_trainer": "trainer_hooks.async_grpo",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer_hooks.async_grpo import EngineRolloutWorker, EngineWeightTransfer
+    from trainer_hooks.async_grpo import EngineRolloutWorker, EngineWeightTransfer, build_async_grpo_trainer
     from trainer_hooks.trl import TRLRollout
     from trainer_hooks.weights import HFWeights, bench_weight_push, normalize_name, push_weights
 
