@@ -13,7 +13,7 @@ from torch import nn
 
 from tests.engine_helpers import assert_matches_hf, greedy, hf_logprobs, make_engine, random_prompts
 from tests.tiny_models import make_tiny_hf_model
-from trainer_hooks.weights import HFWeights, bench_weight_push, normalize_name, push_weights, stream_into
+from trainer_hooks.weights import HFWeights, bench_weight_push, normalize_name, push_weights
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -235,10 +235,12 @@ def test_error_inside_the_iterator_rolls_back(old, new):
     assert engine.policy_version == 0 and _same_weights(engine, snap)
 
 
-def test_stream_into_refuses_non_iterables(old):
+def test_update_weights_refuses_non_iterables(old):
     engine = make_engine(old, block_size=8)
     with pytest.raises(TypeError, match="mapping or an iterable"):
-        stream_into(engine.weights.mapper, 42)  # type: ignore[arg-type]
+        engine.update_weights(42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="mapping or an iterable"):
+        push_weights(engine, 42)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="version"):
         push_weights(engine, [], version="3")  # type: ignore[arg-type]
 

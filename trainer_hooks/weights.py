@@ -6,27 +6,20 @@ activation checkpointing add wrapper segments, ``torch.compile`` adds ``_orig_mo
 first). ``normalize_name`` maps all of these back, so the engine's ``WeightMapper`` stays the one
 mapping from HF names to fused parameters.
 
-``push_weights`` is what the trainer hooks call. It keeps the engine's contract (validate everything,
-then copy in place, drop the prefix cache, move ``policy_version``) while streaming: a re-iterable
-source is walked twice (validate, then copy) and a one-shot iterator keeps a host-side undo copy of
-each slice it overwrote, so neither holds a second device copy of the model. Running sequences are
-recomputed under the new weights, so every token is produced by exactly one policy given its whole
-context — the property the per-token ``policy_versions`` and the trainer's teacher-forced logprobs
-rely on.
+``push_weights`` is what the trainer hooks call: names normalised, then ``Engine.update_weights``
+(validate everything, then copy in place; running sequences recomputed under the new weights, so every
+token is produced by exactly one policy given its whole context — the property the per-token
+``policy_versions`` and the trainer's teacher-forced logprobs rely on).
 """
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
-
-from rollout.engine.sequence import SequenceStatus
-from rollout.models.weights import WeightMapper, is_ignored
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor] | nn.Module
 
@@ -88,174 +81,63 @@ class HFWeights:
         return [n for n, _ in self]
 
 
-# ---- validate and copy --------------------------------------------------------------------------------
-def _checked(mapper: WeightMapper, i: int, item: object) -> tuple[str, torch.Tensor]:
-    """Name, shape and dtype kind of one item (finiteness is separate); the error names the tensor."""
-    if not (isinstance(item, tuple) and len(item) == 2):
-        raise TypeError(f"weights must be (name, tensor) pairs; item {i} is {type(item).__name__}")
-    name, tensor = item
-    if not isinstance(name, str):
-        raise TypeError(f"weight name of item {i} must be a str, got {type(name).__name__}")
-    mapper.validate(name, tensor)
-    return name, tensor.detach()
+class _Normalized:
+    """Re-iterable view of ``(name, tensor)`` pairs under plain HF names (adapter-only tensors dropped)."""
 
+    def __init__(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.pairs = pairs
 
-def _non_finite(name: str) -> ValueError:
-    return ValueError(f"weight {name!r} has non-finite values (nan/inf); update rejected, nothing changed")
-
-
-def _destination(mapper: WeightMapper, name: str) -> torch.Tensor:
-    param, rows = mapper.resolve(name)
-    return param.data if rows is None else param.data[rows]
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Non-blocking from pinned memory (the caller synchronises once at the end); a re-iterable source
-    holds its tensors, so they outlive the copies."""
-    dst.copy_(src, non_blocking=src.device.type == "cpu" and src.is_pinned())
-
-
-def _two_pass(mapper: WeightMapper, source: Callable[[], Iterator[Any]]) -> int:
-    """Validate the whole source, then walk it again and copy: O(1 tensor) extra memory. Finiteness flags
-    stay where the data is and are read with one synchronisation."""
-    seen: list[tuple[str, tuple[int, ...]]] = []
-    flags: list[torch.Tensor] = []
-    for i, item in enumerate(source()):
-        name, tensor = _checked(mapper, i, item)
-        seen.append((name, tuple(tensor.shape)))
-        flags.append(torch.isfinite(tensor).all())
-    on_gpu = [i for i, f in enumerate(flags) if f.device.type != "cpu"]
-    ok = [bool(f) if f.device.type == "cpu" else True for f in flags]
-    if on_gpu:
-        for i, good in zip(on_gpu, torch.stack([flags[i] for i in on_gpu]).cpu().tolist()):
-            ok[i] = good
-    if not all(ok):
-        raise _non_finite(seen[ok.index(False)][0])
-    with torch.no_grad():
-        for i, (name, tensor) in enumerate(source()):
-            if i >= len(seen) or seen[i] != (name, tuple(tensor.shape)):
-                raise RuntimeError(f"weight source changed between its validation and copy passes at item {i}")
-            if not is_ignored(name):
-                _copy(_destination(mapper, name), tensor.detach())
-    return len(seen)
-
-
-def _undo_stream(mapper: WeightMapper, items: Iterator[Any]) -> int:
-    """One pass over a one-shot iterator: copy each tensor as it arrives, keeping a host copy of what it
-    replaced; any bad tensor (or an error in the iterator) restores everything before re-raising."""
-    undo: list[tuple[torch.Tensor, torch.Tensor]] = []
-    count = 0
-    with torch.no_grad():
-        try:
-            for i, item in enumerate(items):
-                name, tensor = _checked(mapper, i, item)
-                if not bool(torch.isfinite(tensor).all()):
-                    raise _non_finite(name)
-                count += 1
-                if is_ignored(name):
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for item in self.pairs:
+            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+                name = normalize_name(item[0])
+                if name is None:
                     continue
-                dst = _destination(mapper, name)
-                undo.append((dst, dst.to("cpu", copy=True)))
-                dst.copy_(tensor)  # blocking: a generator may refill the same buffer for its next item
-        except BaseException:
-            for dst, old in reversed(undo):  # reversed: tied names sharing storage end at the oldest value
-                dst.copy_(old)
-            raise
-    return count
+                yield name, item[1]
+            else:
+                yield item  # malformed: let the engine name the problem
 
 
-def stream_into(mapper: WeightMapper, named_tensors: NamedTensors) -> int:
-    """Copy HF-named tensors into the mapper's model, all or nothing; returns how many were given.
-
-    Accepts a module (its ``HFWeights``), a mapping, a re-iterable (list, ``HFWeights``: two passes) or
-    a one-shot iterator / generator (one pass with a host-side undo copy).
-    """
-    if isinstance(named_tensors, nn.Module):
-        named_tensors = HFWeights(named_tensors)
-    if isinstance(named_tensors, Mapping):
-        mapping = named_tensors
-        return _two_pass(mapper, lambda: iter(mapping.items()))
-    if isinstance(named_tensors, Iterator):
-        return _undo_stream(mapper, named_tensors)
-    if isinstance(named_tensors, Iterable) and not isinstance(named_tensors, (str, bytes)):
-        iterable = named_tensors
-        return _two_pass(mapper, lambda: iter(iterable))
-    raise TypeError(
-        "weights must be a module, a {name: tensor} mapping or an iterable of (name, tensor) pairs, "
-        f"got {type(named_tensors).__name__}"
-    )
-
-
-# ---- the engine side ----------------------------------------------------------------------------------
 def resolve_engine(target: Any) -> Any:
     """The engine behind an ``Engine`` or a ``RolloutActor`` (anything with ``.engine``)."""
     engine = getattr(target, "engine", target)
-    for attr in ("update_weights", "scheduler", "block_manager", "weights"):
-        if not hasattr(engine, attr):
-            raise TypeError(f"expected a rollout Engine or RolloutActor, got {type(target).__name__}")
+    if not hasattr(engine, "update_weights") or not hasattr(engine, "policy_version"):
+        raise TypeError(f"expected a rollout Engine or RolloutActor, got {type(target).__name__}")
     return engine
 
 
 def push_weights(target: Any, named_tensors: NamedTensors, version: int | None = None,
                  recompute_running: bool = True) -> int:
-    """Swap weights into a live engine at a step boundary; returns the new ``policy_version``.
+    """Swap a trainer's weights into a live engine at a step boundary; returns the new ``policy_version``.
 
-    A mapping or list goes through the engine's own ``WeightSync`` (it is already in memory); a module,
-    ``HFWeights`` or other re-iterable is walked twice, a one-shot iterator once with an undo copy.
-
-    Safe from any thread: it holds the engine's lock, so a concurrent ``step()`` sees old or new weights,
-    never a mix. A step still in flight (async mode) is collected first, under the old version. With
-    ``recompute_running`` (default) running sequences drop their KV and are recomputed with the new
-    weights, so each later token is exactly the new policy's; a rejected update changes nothing.
+    Names are normalised (DDP, torch.compile, FSDP, PEFT) and the rest is ``Engine.update_weights``:
+    validate everything, then copy in place (a module or any re-iterable is walked twice, never copied),
+    collect a step in flight under the old version, drop the prefix cache and, with
+    ``recompute_running``, recompute running sequences under the new weights. Safe from any thread.
     """
     engine = resolve_engine(target)
-    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
-        raise TypeError(f"version must be an int or None, got {version!r}")
-    with engine._lock:
-        _drain_inflight(engine)
-        if isinstance(named_tensors, (Mapping, list, tuple)):
-            engine.weights.apply(named_tensors)  # already in memory: the engine's own validate-then-copy
-        else:
-            stream_into(engine.weights.mapper, named_tensors)
-        if engine.device.type == "cuda":
-            # Copies ran on the current stream; the engine computes on its own stream, which would not
-            # wait for them.
-            torch.cuda.synchronize(engine.device)
-        engine.block_manager.reset_prefix_cache()
-        if recompute_running:
-            recompute_running_seqs(engine)
-        engine.policy_version = engine.policy_version + 1 if version is None else version
-        return engine.policy_version
-
-
-def _drain_inflight(engine: Any) -> None:
-    """Land the sampled tokens of the step in flight (their KV and tokens belong to the old weights)."""
-    pending = getattr(engine, "_inflight", None)
-    if pending is not None:
-        engine._inflight = None
-        engine._postprocess(pending)
-
-
-def recompute_running_seqs(engine: Any) -> int:
-    """Send every running sequence back to the queue with its tokens kept and its KV freed, so the
-    scheduler recomputes prompt + output under the current weights (sibling samples fork the prompt
-    blocks again). Not counted as preemptions. Returns how many were sent back."""
-    sched = engine.scheduler
-    moved = list(sched.running)
-    for seq in reversed(moved):
-        assert seq.num_inflight == 0, "recompute with a sample in flight (drain first)"
-        sched.running.remove(seq)
-        engine.block_manager.free(seq)
-        seq.status = SequenceStatus.WAITING
-        keys = [(s.arrival, s.seq_id) for s in sched.waiting]
-        sched.waiting.insert(bisect.bisect(keys, (seq.arrival, seq.seq_id)), seq)
-    return len(moved)
+    if isinstance(named_tensors, nn.Module):
+        source: Any = HFWeights(named_tensors)
+    elif isinstance(named_tensors, Mapping):
+        source = _Normalized(list(named_tensors.items()))
+    elif isinstance(named_tensors, Iterator):
+        source = _Normalized(list(named_tensors))  # references, so the engine can walk it twice
+    elif isinstance(named_tensors, HFWeights):
+        source = named_tensors
+    elif isinstance(named_tensors, Iterable) and not isinstance(named_tensors, (str, bytes)):
+        source = _Normalized(named_tensors)
+    else:
+        raise TypeError(
+            "weights must be a module, a {name: tensor} mapping or an iterable of (name, tensor) pairs, "
+            f"got {type(named_tensors).__name__}"
+        )
+    return engine.update_weights(source, version=version, recompute_running=recompute_running)
 
 
 # ---- timing (called by the lead's bench script on the GPU) --------------------------------------------
 def bench_weight_push(engine: Any, model: nn.Module, repeats: int = 3) -> dict[str, float]:
-    """Seconds per full push of ``model``'s weights from device tensors, from pinned host tensors and
-    through the one-shot (undo) path; GB/s counts the bytes of the source tensors."""
+    """Seconds per full push of ``model``'s weights from device tensors (mapping and iterator) and from
+    pinned host tensors; GB/s counts the bytes of the source tensors."""
     engine = resolve_engine(engine)
     device = engine.device
     cuda = device.type == "cuda"
@@ -269,7 +151,7 @@ def bench_weight_push(engine: Any, model: nn.Module, repeats: int = 3) -> dict[s
     cases: dict[str, Callable[[], Any]] = {
         "device": lambda: on_device,
         "pinned_host": lambda: host,
-        "device_iterator": lambda: iter(on_device.items()),
+        "device_iterator": lambda: iter(list(on_device.items())),
     }
     for label, make in cases.items():
         times = []

@@ -219,13 +219,27 @@ class Engine:
 
     # ---- weights and memory ------------------------------------------------------------------
     def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict, version: int | None = None
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict, version: int | None = None,
+        recompute_running: bool = True,
     ) -> int:
-        """Validate every tensor, then copy all in place at a step boundary; returns the new version."""
+        """Validate every tensor, then copy all in place at a step boundary; returns the new version.
+
+        A step still in flight is collected first (its tokens belong to the old version). Running
+        sequences then drop their KV and are recomputed under the new weights, so every later token is
+        exactly the new policy's given its whole context (``recompute_running=False`` keeps the old KV:
+        cheaper, but later tokens then depend on KV the old weights computed).
+        """
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            raise TypeError(f"version must be an int or None, got {version!r}")
         with self._lock:
+            if self._inflight is not None:
+                pending, self._inflight = self._inflight, None
+                self._postprocess(pending)
             self.weights.apply(named_tensors)
             self.block_manager.reset_prefix_cache()
-            self.policy_version = self.policy_version + 1 if version is None else int(version)
+            if recompute_running:
+                self.scheduler.recompute_running()
+            self.policy_version = self.policy_version + 1 if version is None else version
             return self.policy_version
 
     def sleep(self, level: int = 1) -> int:

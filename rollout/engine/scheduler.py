@@ -192,6 +192,19 @@ class Scheduler:
             updated.append(seq)
         return updated
 
+    def recompute_running(self) -> int:
+        """The weights changed: every running sequence goes back to the queue with its tokens kept and
+        its KV freed, to be recomputed under the new weights (siblings fork the prompt again). Not
+        counted as a preemption. Returns how many went back."""
+        moved = list(self.running)
+        for seq in reversed(moved):
+            assert seq.num_inflight == 0, "recompute with a sample in flight (collect it first)"
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.WAITING
+            self._insert(self.waiting, seq)
+        return len(moved)
+
     # ---- helpers -----------------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

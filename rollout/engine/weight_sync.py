@@ -1,20 +1,24 @@
 """All-or-nothing, in-place weight updates by Hugging Face parameter name.
 
-Validation happens in full before the first byte is copied: names and shapes on the host, then
-finiteness where the data lives. GPU tensors are checked on the GPU with a single sync; CPU tensors
-bound for a GPU engine are streamed through one reusable staging buffer and checked there (a CPU
-scan of 16 GB takes seconds; the extra host-to-device pass takes a fraction of that), so no second
-copy of the model is ever held. Copies are in place (captured CUDA graphs stay valid) and
-non-blocking from pinned memory, with one synchronisation at the end.
+Two passes over the source: the first validates everything (names and shapes on the host,
+finiteness where the data lives), the second copies. A mapping, a list or any other re-iterable
+(e.g. a view over a trainer's live parameters) is walked twice and never copied, so no second copy
+of the model is held; a one-shot iterator (``model.named_parameters()``) is first turned into a list
+of references. GPU tensors are checked on the GPU with a single sync; CPU tensors bound for a GPU
+engine are streamed through one reusable staging buffer and checked there (a CPU scan of 16 GB takes
+seconds). Copies are in place (captured CUDA graphs stay valid) and non-blocking from pinned memory,
+with one synchronisation at the end.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
 from rollout.models.weights import WeightMapper, is_ignored
+
+Source = Callable[[], Iterator[object]]
 
 
 class WeightSync:
@@ -22,49 +26,66 @@ class WeightSync:
         self.mapper = WeightMapper(model)
         self.device = next(model.parameters()).device
 
-    def apply(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict) -> int:
+    def apply(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> int:
         """Validate every (name, tensor), then copy them all in; nothing changes if any is bad."""
-        items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
-        for i, item in enumerate(items):
+        source = _as_source(named_tensors)
+        seen = self._validate(source)
+        with torch.no_grad():
+            for i, (name, tensor) in enumerate(source()):  # type: ignore[misc]
+                if i >= len(seen) or seen[i] != (name, tuple(tensor.shape)):
+                    raise RuntimeError(f"weight source changed between validation and copy at item {i}")
+                if is_ignored(name):
+                    continue
+                param, rows = self.mapper.resolve(name)
+                dst = param.data if rows is None else param.data[rows]
+                dst.copy_(tensor.detach(), non_blocking=tensor.device.type == "cpu" and tensor.is_pinned())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # copies ran on this stream; the engine computes on its own
+        return len(seen)
+
+    def _validate(self, source: Source) -> list[tuple[str, tuple[int, ...]]]:
+        seen: list[tuple[str, tuple[int, ...]]] = []
+        flags: list[torch.Tensor] = []
+        staging: torch.Tensor | None = None
+        for i, item in enumerate(source()):
             if not (isinstance(item, tuple) and len(item) == 2):
                 raise TypeError(f"update_weights expects (name, tensor) pairs; item {i} is {type(item).__name__}")
             name, tensor = item
+            if not isinstance(name, str):
+                raise TypeError(f"weight name of item {i} must be a str, got {type(name).__name__}")
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"weight {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
             self.mapper.validate(name, tensor)
-        items = [(n, t.detach()) for n, t in items if not is_ignored(n)]
-        bad = self._first_non_finite(items)
-        if bad is not None:
-            raise ValueError(f"weight {bad!r} has non-finite values (nan/inf); update rejected, nothing changed")
-        with torch.no_grad():
-            for name, tensor in items:
-                param, rows = self.mapper.resolve(name)
-                dst = param.data if rows is None else param.data[rows]
-                dst.copy_(tensor, non_blocking=tensor.device.type == "cpu" and tensor.is_pinned())
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return len(items)
-
-    def _first_non_finite(self, items: list[tuple[str, torch.Tensor]]) -> str | None:
-        flags: list[tuple[str, torch.Tensor]] = []
-        staging: torch.Tensor | None = None
-        for name, t in items:
-            if t.device.type == "cpu" and self.device.type == "cuda":
-                need = t.numel() * t.element_size()
+            seen.append((name, tuple(tensor.shape)))
+            tensor = tensor.detach()
+            if tensor.device.type == "cpu" and self.device.type == "cuda":
+                need = tensor.numel() * tensor.element_size()
                 if staging is None or staging.numel() < need:
-                    biggest = max(x.numel() * x.element_size() for _, x in items if x.device.type == "cpu")
-                    staging = torch.empty(biggest, dtype=torch.uint8, device=self.device)
-                on_dev = staging[:need].view(t.dtype).view(t.shape)
-                on_dev.copy_(t, non_blocking=t.is_pinned())
-                flags.append((name, torch.isfinite(on_dev).all()))
-                if len(flags) % 64 == 0:  # bound the staged work queued ahead of the checks
-                    torch.cuda.synchronize(self.device)
-            else:
-                flags.append((name, torch.isfinite(t).all()))
-        if not flags:
-            return None
-        ok = torch.stack([f.to(self.device) for _, f in flags]).cpu()  # the one sync
-        for (name, _), good in zip(flags, ok.tolist()):
-            if not good:
-                return name
-        return None
+                    staging = torch.empty(max(need, 64 << 20), dtype=torch.uint8, device=self.device)
+                tensor = staging[:need].view(tensor.dtype).view(tensor.shape).copy_(
+                    tensor, non_blocking=tensor.is_pinned())  # checked in order on this stream
+                if len(flags) % 64 == 63:
+                    torch.cuda.synchronize(self.device)  # bound the staged work queued ahead of the checks
+            flags.append(torch.isfinite(tensor).all().to(self.device))
+        if flags:
+            for (name, _), good in zip(seen, torch.stack(flags).tolist()):  # the one sync
+                if not good:
+                    raise ValueError(f"weight {name!r} has non-finite values (nan/inf); update rejected, "
+                                     "nothing changed")
+        return seen
+
+
+def _as_source(named_tensors: object) -> Source:
+    if isinstance(named_tensors, Mapping):
+        mapping = named_tensors
+        return lambda: iter(mapping.items())
+    if isinstance(named_tensors, Iterator):
+        items = list(named_tensors)  # references to the iterator's tensors, not copies
+        return lambda: iter(items)
+    if isinstance(named_tensors, Iterable) and not isinstance(named_tensors, (str, bytes)):
+        iterable = named_tensors
+        return lambda: iter(iterable)
+    raise TypeError(
+        "update_weights expects a {name: tensor} mapping or an iterable of (name, tensor) pairs, "
+        f"got {type(named_tensors).__name__}"
+    )
