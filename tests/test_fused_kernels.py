@@ -9,12 +9,7 @@ CPU paths the model uses (``RMSNorm.forward``, ``apply_rotary``, ``silu_and_mul`
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +17,8 @@ import torch
 from rollout.layers.activation import silu_and_mul
 from rollout.layers.norm import RMSNorm
 from rollout.layers.rotary import RotaryEmbedding, _base_inv_freq, apply_rotary
+from tests.interpreter import child_main, child_verdicts
 
-ROOT = Path(__file__).resolve().parents[1]
 TOKENS = (1, 5, 17)
 
 
@@ -155,28 +150,9 @@ CHECKS = {
 }
 
 
-def run_checks() -> dict[str, str]:
-    verdicts = {}
-    for name, check in CHECKS.items():
-        try:
-            check()
-            verdicts[name] = "ok"
-        except Exception:  # noqa: BLE001 - reported back to the pytest process
-            verdicts[name] = traceback.format_exc()
-    return verdicts
-
-
 @pytest.fixture(scope="module")
 def verdicts() -> dict[str, str]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    lines = proc.stdout.strip().splitlines()
-    assert proc.returncode == 0 and lines, (
-        f"interpreter child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    )
-    return json.loads(lines[-1])
+    return child_verdicts(__file__)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
@@ -197,6 +173,4 @@ def test_cpu_paths_stay_torch() -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest, or with TRITON_INTERPRET=1"
-    torch.manual_seed(0)
-    print(json.dumps(run_checks()))
+    child_main(CHECKS)

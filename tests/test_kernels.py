@@ -13,20 +13,13 @@ uint16 bits (and truncates fp32 -> bf16 casts), so fp32 and fp16 cover the kerne
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import traceback
-from pathlib import Path
-
 import pytest
 import torch
 
 from rollout.layers.attention import TorchAttentionBackend, reference_attention, write_kv
 from rollout.layers.attention_metadata import AttentionMetadata
+from tests.interpreter import child_main, child_verdicts
 
-ROOT = Path(__file__).resolve().parents[1]
 SCALE = 0.3
 
 
@@ -214,28 +207,9 @@ CHECKS = {
 }
 
 
-def run_checks() -> dict[str, str]:
-    verdicts = {}
-    for name, check in CHECKS.items():
-        try:
-            check()
-            verdicts[name] = "ok"
-        except Exception:  # noqa: BLE001 - reported back to the pytest process
-            verdicts[name] = traceback.format_exc()
-    return verdicts
-
-
 @pytest.fixture(scope="module")
 def verdicts() -> dict[str, str]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    lines = proc.stdout.strip().splitlines()
-    assert proc.returncode == 0 and lines, (
-        f"interpreter child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    )
-    return json.loads(lines[-1])
+    return child_verdicts(__file__)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
@@ -244,6 +218,4 @@ def test_kernel(verdicts: dict[str, str], name: str) -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest, or with TRITON_INTERPRET=1"
-    torch.manual_seed(0)
-    print(json.dumps(run_checks()))
+    child_main(CHECKS)

@@ -29,13 +29,6 @@ from trainer_hooks.weights import resolve_engine
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def tok():

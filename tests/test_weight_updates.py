@@ -16,15 +16,6 @@ from tests.tiny_models import make_tiny_hf_model
 from trainer_hooks.weights import HFWeights, bench_weight_push, normalize_name, push_weights
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core box: OpenMP spinning across threads costs ~10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def old():
     return make_tiny_hf_model("llama", seed=0)
