@@ -216,7 +216,8 @@ class RolloutActor:
             "kv_cache_usage_mean": sum(kv) / len(kv) if kv else 0.0,
             "kv_cache_usage_peak": max(kv, default=0.0),
             "num_preemptions": after.num_preemptions - before.num_preemptions,
-            "gpu_busy_frac": after.gpu_busy_frac,
+            "gpu_busy_frac": (None if after.gpu_compute_s is None or before.gpu_compute_s is None
+                              else min(1.0, (after.gpu_compute_s - before.gpu_compute_s) / max(elapsed, 1e-9))),
             "completion_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
             "completion_len_max": max(lengths, default=0),
             "policy_version": after.policy_version,

@@ -105,6 +105,7 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
             engine.generate(warm[:b], SamplingParams(temperature=0 if "n" not in w else 1.0, max_tokens=3,
                                                      ignore_eos=True))
     runner.records.clear()
+    runner.record_steps = True
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()

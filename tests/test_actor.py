@@ -33,6 +33,7 @@ class FakeStats:
     num_scheduled_seqs: int = 0
     gpu_busy_frac: float | None = None
     policy_version: int = 0
+    gpu_compute_s: float | None = None
 
 
 @dataclass

@@ -69,7 +69,9 @@ class CudaModelRunner:
         self.graph_pool = None
         self._next_slot = 0
         self._prev_rows: list[int] = []  # sample row -> output-buffer row of the previous step
-        self.records: list[StepRecord] = []
+        self.records: list[StepRecord] = []  # per step, for scripts/bench.py; only while record_steps
+        self.record_steps = False
+        self.compute_ms_total = 0.0  # compute-stream time of every collected step (engine's gpu_busy_frac)
 
     # ---- the step ----------------------------------------------------------------------------
     def execute(self, plan: BatchPlan) -> CudaPendingStep:
@@ -117,7 +119,9 @@ class CudaModelRunner:
         slot.d2h_done.synchronize()
         toks, lps = slot.host_tokens.tolist(), slot.host_logprobs.tolist()
         ms = slot.compute_start.elapsed_time(slot.compute_end)
-        self.records.append(StepRecord(pending.decode, pending.batch, pending.kv_tokens, ms))
+        self.compute_ms_total += ms
+        if self.record_steps:
+            self.records.append(StepRecord(pending.decode, pending.batch, pending.kv_tokens, ms))
         return SampleResult(pending.plan.step_id, [toks[r] for r in pending.rows], [lps[r] for r in pending.rows])
 
     # ---- host side ---------------------------------------------------------------------------

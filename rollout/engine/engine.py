@@ -42,8 +42,9 @@ class EngineStats:
     num_generated_tokens: int
     num_prompt_tokens: int
     num_scheduled_seqs: int
-    gpu_busy_frac: float | None
+    gpu_busy_frac: float | None  # compute-stream time / wall time, first to latest step (None on CPU)
     policy_version: int
+    gpu_compute_s: float | None = None  # cumulative compute-stream time: a window's busy = delta / its wall
 
 
 class Engine:
@@ -205,6 +206,7 @@ class Engine:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(rids), desc="generate", unit="req")
+        others: list[RequestOutput] = []
         while wanted - results.keys():
             for out in self.step():
                 if out.request_id in wanted:
@@ -212,7 +214,8 @@ class Engine:
                     if bar is not None:
                         bar.update(1)
                 else:
-                    self._finished.append(out)  # someone else's online request: keep it for their step()
+                    others.append(out)  # someone else's online request: handed to their next step()
+        self._finished.extend(others)
         if bar is not None:
             bar.close()
         return [results[r] for r in rids]
@@ -291,12 +294,13 @@ class Engine:
     def get_stats(self) -> EngineStats:
         s = self._stats
         busy = None
-        records = getattr(self.runner, "records", None)
-        if records and self._t_first is not None and self._t_last > self._t_first:
-            busy = min(1.0, sum(r.compute_ms for r in records) / 1e3 / (self._t_last - self._t_first))
+        compute_ms = getattr(self.runner, "compute_ms_total", 0.0)
+        if compute_ms and self._t_first is not None and self._t_last > self._t_first:
+            busy = min(1.0, compute_ms / 1e3 / (self._t_last - self._t_first))
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, self.block_manager.usage,
                            s["steps"], self.scheduler.num_preemptions, s["generated"], s["prompt"],
-                           s["scheduled"], busy, self.policy_version)
+                           s["scheduled"], busy, self.policy_version,
+                           compute_ms / 1e3 if self.device.type == "cuda" else None)
 
     # ---- KV cache ----------------------------------------------------------------------------
     def _kv_block_bytes(self) -> int:
