@@ -105,6 +105,9 @@ class Engine:
         params = normalize_params(sampling_params, 1)[0]
         ids = to_token_ids(prompt, self.tokenizer, self.model.vocab_size)
         check_lengths(len(ids), params, self.max_model_len, self.num_blocks * self.config.block_size)
+        return self._add(ids, params, prompt, request_id)
+
+    def _add(self, ids: list[int], params: SamplingParams, prompt: object, request_id: str | None) -> str:
         with self._lock:
             request_id = request_id if request_id is not None else uuid.uuid4().hex
             if request_id in self.scheduler.requests:
@@ -198,7 +201,7 @@ class Engine:
                 check_lengths(len(x), p, self.max_model_len, self.num_blocks * self.config.block_size)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        rids = [self.add_request(x, p) for x, p in zip(ids, params)]
+        rids = [self._add(x, p, prompt, None) for x, p, prompt in zip(ids, params, prompts)]
         wanted = set(rids)
         results: dict[str, RequestOutput] = {}
         bar = None
