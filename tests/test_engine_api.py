@@ -122,6 +122,17 @@ def test_unknown_engine_option_and_unsupported_model(hf):
         Engine.from_pretrained(hf, device="cpu", block_size=12)
     with pytest.raises(ValueError, match="dtype"):
         Engine.from_pretrained(hf, device="cpu", dtype="float64")
+    with pytest.raises(ValueError, match="attention_backend"):
+        Engine.from_pretrained(hf, device="cpu", attention_backend="xformers")
+
+
+def test_backend_choice():
+    from rollout.layers.backends import flash_attn_available, make_attention_backend
+
+    assert make_attention_backend("auto", torch.device("cpu")).name == "torch"
+    if not flash_attn_available():
+        with pytest.raises(ValueError, match="flash-attn"):
+            make_attention_backend("flash_attn", torch.device("cpu"))
 
 
 @pytest.mark.parametrize("level", [1, 2])

@@ -63,7 +63,7 @@ class Engine:
         )
         self._sleep_level = 0
         self.kv_caches = self._allocate_kv()
-        self.attn_backend = make_attention_backend(config.attention_backend, device)
+        self.attn_backend = make_attention_backend(config.attention_backend, device, config.block_size)
         self.runner = self._make_runner()
         self.weights = WeightSync(model)
         self.policy_version = 0

@@ -1,4 +1,5 @@
-"""Pick the attention backend: flash-attn when it imports, else Triton on CUDA, torch on the CPU."""
+"""Pick the attention backend: flash-attn when it imports (and the block size suits it), else Triton on
+CUDA, torch on the CPU."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def make_attention_backend(name: str, device: torch.device) -> object:
+def make_attention_backend(name: str, device: torch.device, block_size: int = 16) -> object:
     if name == "auto":
         if device.type != "cuda":
             name = "torch"
-        elif flash_attn_available():
+        elif flash_attn_available() and block_size % 256 == 0:
             name = "flash_attn"
         else:
             name = "triton"
@@ -32,5 +33,5 @@ def make_attention_backend(name: str, device: torch.device) -> object:
             raise ValueError("attention_backend='flash_attn' but the flash-attn package is not installed")
         from rollout.layers.flash_attn_backend import FlashAttnBackend
 
-        return FlashAttnBackend()
+        return FlashAttnBackend(block_size)
     raise ValueError(f"unknown attention_backend {name!r}")
