@@ -122,6 +122,8 @@ def test_unknown_engine_option_and_unsupported_model(hf):
         Engine.from_pretrained(hf, device="cpu", block_size=12)
     with pytest.raises(ValueError, match="dtype"):
         Engine.from_pretrained(hf, device="cpu", dtype="float64")
+    with pytest.raises(ValueError, match="max_model_len 100000"):
+        Engine.from_pretrained(hf, device="cpu", max_model_len=100_000)
     with pytest.raises(ValueError, match="attention_backend"):
         Engine.from_pretrained(hf, device="cpu", attention_backend="xformers")
 

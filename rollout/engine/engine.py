@@ -21,6 +21,7 @@ from rollout.config import EngineConfig
 from rollout.engine import loading
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.cuda_runner import CudaModelRunner
+from rollout.engine.kv_cache import KVCache
 from rollout.engine.model_runner import ModelRunner, PendingStep
 from rollout.engine.scheduler import Scheduler, SchedulerLimits
 from rollout.engine.sequence import Request, Sequence
@@ -54,15 +55,19 @@ class Engine:
         self.tokenizer, self.eos_ids = tokenizer, eos_ids
         self.dtype = next(model.parameters()).dtype
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-        self.max_model_len = min(config.max_model_len or limit, limit)
-        self.num_blocks = config.num_blocks or self._default_num_blocks()
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
+                             f"{limit}; allowed: 1 .. {limit}")
+        self.max_model_len = config.max_model_len or limit
+        self.kv = KVCache(model, config, device, self.dtype, self.max_model_len)
+        self.num_blocks = self.kv.num_blocks
         self.async_mode = (device.type == "cuda") if config.async_mode is None else config.async_mode
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens), self.block_manager
         )
         self._sleep_level = 0
-        self.kv_caches = self._allocate_kv()
+        self.kv_caches = self.kv.layers
         self.attn_backend = make_attention_backend(config.attention_backend, device, config.block_size)
         self.runner = self._make_runner()
         self.weights = WeightSync(model)
@@ -104,10 +109,7 @@ class Engine:
                     request_id: str | None = None) -> str:
         params = normalize_params(sampling_params, 1)[0]
         ids = to_token_ids(prompt, self.tokenizer, self.model.vocab_size)
-        check_lengths(len(ids), params, self.max_model_len, self.num_blocks * self.config.block_size)
-        return self._add(ids, params, prompt, request_id)
-
-    def _add(self, ids: list[int], params: SamplingParams, prompt: object, request_id: str | None) -> str:
+        check_lengths(len(ids), params, self.max_model_len, self.kv.num_tokens)
         with self._lock:
             request_id = request_id if request_id is not None else uuid.uuid4().hex
             if request_id in self.scheduler.requests:
@@ -198,10 +200,10 @@ class Engine:
         ids = [to_token_ids(p, self.tokenizer, self.model.vocab_size) for p in prompts]
         for i, (x, p) in enumerate(zip(ids, params)):
             try:
-                check_lengths(len(x), p, self.max_model_len, self.num_blocks * self.config.block_size)
+                check_lengths(len(x), p, self.max_model_len, self.kv.num_tokens)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        rids = [self._add(x, p, prompt, None) for x, p, prompt in zip(ids, params, prompts)]
+        rids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params)]
         wanted = set(rids)
         results: dict[str, RequestOutput] = {}
         bar = None
@@ -258,13 +260,11 @@ class Engine:
         with self._lock:
             if self.scheduler.has_unfinished() or self._inflight is not None:
                 raise RuntimeError("sleep() while requests are running; finish or abort them first")
-            if self._kv_storage is None:
+            if not self.kv.allocated:
                 return 0
-            released = self._kv_storage.numel() * self._kv_storage.element_size()
             self.block_manager.reset_prefix_cache()
-            self._kv_storage = None
-            self.kv_caches.clear()
             self.runner.release()
+            released = self.kv.release()
             if level == 2:
                 released += sum(p.numel() * p.element_size() for p in self.model.parameters())
                 self._offload_weights("cpu")
@@ -276,17 +276,17 @@ class Engine:
     def wake_up(self) -> None:
         """Restore what ``sleep`` released; outputs afterwards equal those before the sleep."""
         with self._lock:
-            if self._kv_storage is not None:
+            if self.kv.allocated:
                 return
             if self._sleep_level == 2:
                 self._offload_weights(self.device)
-            self.kv_caches.extend(self._allocate_kv())
+            self.kv.allocate()
             self.runner.restore(self.kv_caches)
             self._sleep_level = 0
 
     @property
     def is_sleeping(self) -> bool:
-        return self._kv_storage is None
+        return not self.kv.allocated
 
     def _offload_weights(self, device: torch.device | str) -> None:
         # Parameters move by swapping .data so module structure (and WeightMapper's handles) survive.
@@ -304,24 +304,3 @@ class Engine:
                            s["steps"], self.scheduler.num_preemptions, s["generated"], s["prompt"],
                            s["scheduled"], busy, self.policy_version,
                            compute_ms / 1e3 if self.device.type == "cuda" else None)
-
-    # ---- KV cache ----------------------------------------------------------------------------
-    def _kv_block_bytes(self) -> int:
-        m = self.model
-        return 2 * m.num_layers * self.config.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
-
-    def _default_num_blocks(self) -> int:
-        per_seq = -(-self.max_model_len // self.config.block_size)
-        enough = self.config.max_num_seqs * per_seq + 1
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - self.config.gpu_memory_utilization) * torch.cuda.get_device_properties(
-                self.device).total_memory
-            return max(1, min(enough, int(budget * 0.9) // self._kv_block_bytes()))
-        return max(1, min(enough, int(self.config.cpu_kv_cache_gib * 2**30) // self._kv_block_bytes()))
-
-    def _allocate_kv(self) -> list[torch.Tensor]:
-        m = self.model
-        shape = (m.num_layers, 2, self.num_blocks, self.config.block_size, m.num_kv_heads, m.head_dim)
-        self._kv_storage = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        return list(self._kv_storage.unbind(0))
