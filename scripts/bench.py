@@ -114,7 +114,7 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
     wall = time.perf_counter() - t0
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     m = engine.model
-    weight_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
+    weight_bytes = m.weight_bytes_per_step()  # an untied input embedding is gathered, not read whole
     kv_token_bytes = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2
     dec = [r for r in runner.records if r.decode]
     floor_s = sum((weight_bytes + r.kv_tokens * kv_token_bytes) / (bw * 1e12) for r in dec)

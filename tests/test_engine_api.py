@@ -148,3 +148,16 @@ def test_sleep_wake_gives_identical_results(hf, level):
     assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
     with pytest.raises(ValueError, match="level"):
         engine.sleep(level=3)
+
+
+def test_stats_count_steps_tokens_and_bytes(hf):
+    engine = make_engine(hf, block_size=8)
+    prompts = random_prompts(3, hf.config.vocab_size, seed=7)
+    engine.generate(prompts, greedy(5))
+    st = engine.get_stats()
+    assert st.num_generated_tokens == 15 and st.num_prompt_tokens == sum(len(p) for p in prompts)
+    assert st.num_steps >= 5 and st.num_running_seqs == 0 and st.gpu_busy_frac is None
+    weights = engine.model.weight_bytes_per_step()
+    emb = engine.model.model.embed_tokens.weight
+    assert weights == sum(p.numel() * p.element_size() for p in engine.model.parameters()) - emb.numel() * 4
+    assert st.bytes_read > st.num_steps * weights  # weights every step, plus the live KV

@@ -25,6 +25,11 @@ class KVCache:
         return 2 * m.num_layers * self.config.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
 
     @property
+    def token_bytes(self) -> int:
+        """K and V of one token in every layer: what attention reads per context token."""
+        return self.block_bytes // self.config.block_size
+
+    @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.config.block_size
 

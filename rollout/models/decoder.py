@@ -213,3 +213,12 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (the lm_head GEMM runs in the model dtype, like HF)."""
         return self.lm_head(hidden).float()
+
+    def weight_bytes_per_step(self) -> int:
+        """Weight bytes one forward step must read: every parameter, except an untied input embedding
+        (only the batch's rows of it are gathered; a tied one is read whole by the lm_head)."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        emb = self.model.embed_tokens.weight
+        if self.lm_head.weight is not emb:
+            total -= emb.numel() * emb.element_size()
+        return total
