@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,7 @@ from transformers import AutoTokenizer
 from rollout.actor import RolloutActor
 from rollout.assets import assets_dir, check_checkpoint_dir, materialize_default_model
 from rollout.data import PromptDataset, load_prompt_dataset
+from rollout.engine.engine import EngineStats
 from rollout.job_config import DataConfig
 from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.rewards import exact_match
@@ -21,19 +23,9 @@ from rollout.sampling_params import SamplingParams
 from rollout.trajectory_writer import TrajectoryWriter, prepare_output_dir
 
 
-@dataclass
-class FakeStats:
-    num_running_seqs: int = 0
-    num_waiting_seqs: int = 0
-    kv_cache_usage: float = 0.0
-    num_steps: int = 0
-    num_preemptions: int = 0
-    num_generated_tokens: int = 0
-    num_prompt_tokens: int = 0
-    num_scheduled_seqs: int = 0
-    gpu_busy_frac: float | None = None
-    policy_version: int = 0
-    gpu_compute_s: float | None = None
+def zero_stats() -> EngineStats:
+    """The engine's own stats record, all counters at zero (the fake engine mutates it as it steps)."""
+    return EngineStats(**{f.name: (None if "gpu" in f.name else 0) for f in dataclasses.fields(EngineStats)})
 
 
 @dataclass
@@ -43,7 +35,7 @@ class FakeEngine:
 
     policy_version: int = 0
     tokenizer: object = None
-    stats: FakeStats = field(default_factory=FakeStats)
+    stats: EngineStats = field(default_factory=zero_stats)
     requests: dict = field(default_factory=dict)
     added: list = field(default_factory=list)
     refuse_after: int | None = None
@@ -86,7 +78,7 @@ class FakeEngine:
         return done
 
     def get_stats(self):
-        return FakeStats(**{**self.stats.__dict__, "policy_version": self.policy_version})
+        return dataclasses.replace(self.stats, policy_version=self.policy_version)
 
     def update_weights(self, named_tensors, version=None):
         self.policy_version = self.policy_version + 1 if version is None else version
