@@ -27,7 +27,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
-from rollout.job_config import JobConfig  # noqa: E402
+from rollout.job.config import JobConfig  # noqa: E402
 
 USER_ERRORS = (ValueError, FileNotFoundError)
 
@@ -44,11 +44,11 @@ def run(cfg: DictConfig) -> Path:
 
 
 def run_job(job: JobConfig) -> Path:
-    from rollout.actor import RolloutActor
-    from rollout.data import load_prompt_dataset
-    from rollout.rewards import get_reward_fn
-    from rollout.trajectory_writer import TrajectoryWriter
-    from rollout.wandb_logger import WandbLogger
+    from rollout.job.actor import RolloutActor
+    from rollout.job.data import load_prompt_dataset
+    from rollout.job.rewards import get_reward_fn
+    from rollout.job.trajectory_writer import TrajectoryWriter
+    from rollout.job.wandb_logger import WandbLogger
 
     reward_fn = get_reward_fn(job.rollout.reward)
     writer = TrajectoryWriter(job.output_dir, with_reward=reward_fn is not None)

@@ -30,8 +30,8 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from rollout.job_config import DataConfig, JobConfig, WandbConfig  # noqa: E402
-from rollout.rewards import exact_match  # noqa: E402
+from rollout.job.config import DataConfig, JobConfig, WandbConfig  # noqa: E402
+from rollout.job.rewards import exact_match  # noqa: E402
 from trainer_hooks.trl import digit_fraction  # noqa: E402
 
 TRAINERS = ("grpo", "async_grpo")
@@ -150,7 +150,7 @@ def train_grpo(job: JobConfig, train: TrainConfig) -> Path:
 
 def build_dataset(cfg: DataConfig, tokenizer: Any, need_answer: bool) -> Any:
     """``prompt`` (chat messages when templated, as TRL expects) and ``answer`` columns from data.*."""
-    from rollout.data import load_rows
+    from rollout.job.data import load_rows
 
     rows = load_rows(cfg)
     fields = list(rows.column_names)

@@ -12,15 +12,15 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from rollout.actor import RolloutActor
 from rollout.assets import assets_dir, check_checkpoint_dir, materialize_default_model
-from rollout.data import PromptDataset, load_prompt_dataset
 from rollout.engine.engine import EngineStats
-from rollout.job_config import DataConfig
+from rollout.job.actor import RolloutActor
+from rollout.job.config import DataConfig
+from rollout.job.data import PromptDataset, load_prompt_dataset
+from rollout.job.rewards import exact_match
+from rollout.job.trajectory_writer import TrajectoryWriter, prepare_output_dir
 from rollout.outputs import CompletionOutput, RequestOutput
-from rollout.rewards import exact_match
 from rollout.sampling_params import SamplingParams
-from rollout.trajectory_writer import TrajectoryWriter, prepare_output_dir
 
 
 def zero_stats() -> EngineStats:
@@ -253,8 +253,8 @@ def test_writer_rounds_resume_and_torn_metrics(tmp_path: Path, tokenizer) -> Non
 
 
 def test_wandb_online_without_account_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
-    from rollout.job_config import WandbConfig
-    from rollout.wandb_logger import WandbLogger
+    from rollout.job.config import WandbConfig
+    from rollout.job.wandb_logger import WandbLogger
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc credentials

@@ -9,8 +9,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from rollout.config import EngineConfig
-from rollout.job_config import JobConfig
-from rollout.rewards import exact_match, get_reward_fn, last_integer
+from rollout.job.config import JobConfig
+from rollout.job.rewards import exact_match, get_reward_fn, last_integer
 from rollout.sampling_params import SamplingParams
 
 CONF = Path(__file__).resolve().parent.parent / "conf"

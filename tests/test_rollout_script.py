@@ -84,7 +84,7 @@ def test_compose_overrides_change_row_count(cache_dir: Path, tmp_path: Path) -> 
 
 
 def test_resume_after_crash_has_no_duplicates_or_gaps(cache_dir: Path, tmp_path: Path, monkeypatch) -> None:
-    from rollout.actor import RolloutActor
+    from rollout.job.actor import RolloutActor
 
     out, args = tmp_path / "o", ("sampling.n=2", "data.num_prompts=3", "rollout.rounds=3", "sampling.seed=1")
     drive = RolloutActor._drive
@@ -135,7 +135,7 @@ def test_resume_after_crash_has_no_duplicates_or_gaps(cache_dir: Path, tmp_path:
     ],
 )
 def test_bad_inputs_fail_before_generation(cache_dir, tmp_path, monkeypatch, override, error, needle) -> None:
-    from rollout.actor import RolloutActor
+    from rollout.job.actor import RolloutActor
 
     (tmp_path / "file").write_text("x")
     gpt2 = tmp_path / "gpt2"  # a checkpoint of an architecture the engine does not implement

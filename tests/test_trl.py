@@ -11,8 +11,8 @@ import torch
 from datasets import Dataset
 from transformers import AutoTokenizer, TrainerCallback
 
-from rollout.actor import RolloutActor
 from rollout.assets import assets_dir
+from rollout.job.actor import RolloutActor
 from rollout.sampling_params import SamplingParams
 from tests.engine_helpers import hf_logprobs, make_engine
 from tests.tiny_models import make_tiny_hf_model
@@ -193,7 +193,7 @@ def test_peft_adapter_is_merged_for_the_push_only():
 
 
 def test_rewards_in_trl_convention_and_actor_target(tok):
-    from rollout.rewards import exact_match
+    from rollout.job.rewards import exact_match
 
     reward = trl_reward(exact_match)
     assert reward.__name__ == "exact_match"

@@ -160,7 +160,7 @@ def completion_text(completion: Any) -> str:
 
 
 def trl_reward(fn: Callable[[str, str | None], float], name: str | None = None) -> Callable[..., list[float]]:
-    """Wrap a ``(completion_text, answer) -> float`` reward (rollout.rewards) for ``GRPOTrainer``; the
+    """Wrap a ``(completion_text, answer) -> float`` reward (rollout.job.rewards) for ``GRPOTrainer``; the
     dataset's ``answer`` column arrives as a keyword argument."""
 
     def reward(prompts: list[Any], completions: list[Any], answer: list[Any] | None = None, **_: Any) -> list[float]:

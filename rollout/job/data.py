@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.assets import default_dataset_path
-from rollout.job_config import DataConfig
+from rollout.job.config import DataConfig
 
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 

@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollout.actor import Trajectory
+from rollout.job.actor import Trajectory
 
 TRAJECTORIES = "trajectories.parquet"
 METRICS = "metrics.jsonl"

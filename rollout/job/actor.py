@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.data import Prompt, PromptDataset
-from rollout.rewards import RewardFn
+from rollout.job.data import Prompt, PromptDataset
+from rollout.job.rewards import RewardFn
 from rollout.sampling_params import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from rollout.config import EngineConfig
-from rollout.rewards import REWARDS
+from rollout.job.rewards import REWARDS
 from rollout.sampling_params import LOGPROBS_MODES, SamplingParams
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
