@@ -161,3 +161,20 @@ def test_stats_count_steps_tokens_and_bytes(hf):
     emb = engine.model.model.embed_tokens.weight
     assert weights == sum(p.numel() * p.element_size() for p in engine.model.parameters()) - emb.numel() * 4
     assert st.bytes_read > st.num_steps * weights  # weights every step, plus the live KV
+
+
+def test_partial_output_streams_known_tokens_only(hf):
+    eng = make_engine(hf, block_size=8, async_mode=True)
+    rid = eng.add_request([1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True, temperature=0))
+    seen = []
+    while eng.has_unfinished_requests():
+        done = eng.step()
+        part = eng.partial_output(rid)
+        if part is not None:
+            assert not part.finished and -1 not in part.outputs[0].token_ids
+            assert len(part.outputs[0].token_ids) == len(part.outputs[0].logprobs)
+            seen.append(list(part.outputs[0].token_ids))
+        for out in done:
+            assert out.request_id == rid and out.finished
+            final = out.outputs[0].token_ids
+    assert eng.partial_output(rid) is None and seen and all(final[: len(s)] == s for s in seen)

@@ -179,17 +179,27 @@ class Engine:
                 if request is not None:
                     self._finished.append(self._output(request))
 
-    def _output(self, request: Request) -> RequestOutput:
+    def partial_output(self, request_id: str) -> RequestOutput | None:
+        """A running request's tokens so far (``finished=False``), for streaming; None when unknown or done.
+
+        Only tokens whose value has landed on the host are included (never an in-flight placeholder).
+        """
+        with self._lock:
+            request = self.scheduler.requests.get(request_id)
+            return None if request is None else self._output(request, finished=request.finished)
+
+    def _output(self, request: Request, finished: bool = True) -> RequestOutput:
         outs = []
         for seq in request.seqs:
-            out = CompletionOutput(seq.index, seq.output_token_ids, list(seq.logprobs), seq.finish_reason,
+            known = seq.token_ids[seq.num_prompt_tokens : seq.num_known_tokens]
+            out = CompletionOutput(seq.index, known, list(seq.logprobs), seq.finish_reason,
                                    None, list(seq.policy_versions), seq.stop_reason)
             if self.tokenizer is not None:
                 out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
                 if isinstance(seq.stop_reason, str):
                     out.text = truncate_at_stop(out.text, seq.stop_reason)
             outs.append(out)
-        return RequestOutput(request.request_id, request.prompt_token_ids, outs, request.prompt, True)
+        return RequestOutput(request.request_id, request.prompt_token_ids, outs, request.prompt, finished)
 
     def generate(self, prompts: object, sampling_params: object = None, use_tqdm: bool = False) -> list[RequestOutput]:
         if isinstance(prompts, str):
