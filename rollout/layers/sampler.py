@@ -68,7 +68,11 @@ def uniform_noise(seed: torch.Tensor, position: torch.Tensor, vocab_size: int) -
     s = (seed ^ (seed >> 32)) & _M32
     h = _mix32(s ^ _mix32(((position & _M32) + 0x3C6EF372) & _M32))
     ids = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)
-    x = _mix32((h[:, None] + ids[None, :] * 0x1B873593) & _M32)
+    return hash_to_unit(_mix32((h[:, None] + ids[None, :] * 0x1B873593) & _M32))
+
+
+def hash_to_unit(x: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes (int64 tensor) -> float32 strictly inside (0, 1)."""
     return ((x >> 9).to(torch.float32) + 0.5) * 1.1920928955078125e-07
 
 
