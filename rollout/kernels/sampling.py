@@ -245,9 +245,17 @@ def _sample_kernel(
 
 
 def fused_sample(
-    logits: torch.Tensor, st: SamplingTensors, block: int = 2048, search_block: int = 512, num_thresholds: int = 16
+    logits: torch.Tensor,
+    st: SamplingTensors,
+    block: int = 2048,
+    search_block: int = 512,
+    num_thresholds: int = 16,
+    num_warps: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, V] -> (token ids [N] int64, logprobs [N] float32), as ``sample_torch``."""
+    """logits [N, V] -> (token ids [N] int64, logprobs [N] float32), as ``sample_torch``.
+
+    ``block``: logits per loop step of a row's program; ``search_block`` / ``num_thresholds``: the
+    processed-logprob threshold search's step and thresholds per pass (bench/sampler_bench.py --sweep)."""
     if logits.dim() != 2 or not logits.dtype.is_floating_point:
         raise ValueError(f"logits must be a float [N, V] tensor; got {logits.dtype} {tuple(logits.shape)}")
     if logits.stride(1) != 1:
@@ -266,6 +274,6 @@ def fused_sample(
         sup if sup is not None else st.seed, sup.stride(0) if sup is not None else 0,
         tokens, logprobs,
         NSUP=sup.shape[1] if sup is not None else 0, FILTER=bool(st.needs_filter), ALL_GREEDY=bool(st.all_greedy),
-        BLOCK=block, SBLOCK=search_block, NT=num_thresholds, num_warps=8, enable_fp_fusion=False,
+        BLOCK=block, SBLOCK=search_block, NT=num_thresholds, num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
     return tokens, logprobs
