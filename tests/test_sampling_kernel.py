@@ -126,6 +126,14 @@ def check_filters_many_draws() -> None:
     check_same(logits, make_st(24, top_k=3, min_p=0.3, seed0=12), **LARGE)
 
 
+def check_rejection_fallback() -> None:
+    """Flat rows: top-k rejects nearly every winner (straight to the threshold search) and a low top-p
+    rejects often (up to 4 rounds, then the search); tokens stay the reference's."""
+    flat = _logits(1, 200, scale=0.3, seed=3).expand(16, 200).contiguous()
+    check_same(flat, make_st(16, top_k=[3, 1] * 8, seed0=21), **LARGE)
+    check_same(flat, make_st(16, top_p=0.2, mode=["policy", "processed"] * 8, seed0=22), **LARGE)
+
+
 def _tie_row() -> torch.Tensor:
     """Integer logits: 4, then three 3s, four 2s, the rest 0 or less (equal values across blocks)."""
     row = torch.full((1, 160), -1.0)
@@ -168,6 +176,7 @@ CHECKS = {
     "greedy_and_suppression": check_greedy_and_suppression,
     "filters_processed": check_filters_processed,
     "filters_many_draws": check_filters_many_draws,
+    "rejection_fallback": check_rejection_fallback,
     "tied_boundaries": check_tied_boundaries,
     "errors": check_errors,
 }

@@ -14,8 +14,9 @@ together), so the race winner over the kept set is found without knowing t: take
 candidate set (first all tokens); if w is kept it wins (the kept set is a subset of the candidates and w
 beats them all); if not, t > s_w, so the candidates become {s > s_w} and the pass that counted the
 tokens above w (for top-k) and their probability (for top-p) also found the next winner. Usually one
-extra pass, and none when w is the argmax. Only ``processed`` logprobs need t itself (for the kept
-mass): a multisection over float keys, NT thresholds a pass, then a pass summing the kept mass.
+extra pass, and none when w is the argmax. After 4 rejections (or one with 2k tokens above w: a flat
+row under a small top-k) t itself is searched (a multisection over float values / keys, NT thresholds
+a pass) and one more pass races the kept set; ``processed`` logprobs search t anyway, for the kept mass.
 
 No host syncs and no data-dependent shapes: capturable in CUDA graphs.
 """
@@ -110,21 +111,22 @@ def _above(row_ptr, V, inv, sup_row, h, greedy, s_w, t_minp, m,
 
 
 @triton.jit
-def _kp_threshold(row_ptr, V, inv, sup_row, hi, m, z, k, top_p,
+def _kp_threshold(row_ptr, V, inv, sup_row, lo0, hi, m, z, k, top_p,
                   NSUP: tl.constexpr, SBLOCK: tl.constexpr, NT: tl.constexpr):  # fmt: skip
-    """Smallest row value v that top-k and top-p keep, given one kept value ``hi``.
+    """Smallest row value v that top-k and top-p keep, given a value ``lo0`` they drop (or -inf) and a
+    kept one ``hi``.
 
     Invariant: v in (lo, hi]. Each pass tests NT thresholds inside (a threshold t passes iff fewer
     than k tokens and less than top_p of the mass lie above t: monotone in t), spread evenly in value
     while the bracket is wide and finite, else evenly over float keys (which ends it in a bounded
     number of passes); the pass also finds the smallest and largest row value in the bracket, which
     tighten it further. Adjacent keys (one float left) end it. Start: top-p keeps every token above
-    m + log(z (1 - top_p) / V) (the tokens below carry less than 1 - top_p), less a margin."""
+    m + log(z (1 - top_p) / V) (the tokens below carry less than 1 - top_p), less a margin, and lo0."""
     ar = tl.arange(0, SBLOCK)
     jj = tl.arange(0, NT) + 1
     k_cap = tl.where(k > 0, k, 2147483647)  # off -> never binding (scalars, so no bool vector | scalar)
     p_cap = tl.where(top_p < 1.0, top_p, float("inf"))
-    lo = tl.where(top_p < 1.0, m + tl.log(z * tl.maximum(1.0 - top_p, 1e-30) / V) - 1.0, float("-inf"))
+    lo = tl.maximum(lo0, tl.where(top_p < 1.0, m + tl.log(z * tl.maximum(1.0 - top_p, 1e-30) / V) - 1.0, lo0))
     lo_k = okey(tl.minimum(lo, hi)).to(tl.int64)
     hi_k = okey(hi).to(tl.int64)
     it = 0
@@ -156,43 +158,68 @@ def _kp_threshold(row_ptr, V, inv, sup_row, hi, m, z, k, top_p,
 
 
 @triton.jit
-def _kept_mass(row_ptr, V, inv, sup_row, t, m, NSUP: tl.constexpr, BLOCK: tl.constexpr):
+def _race_from(row_ptr, V, inv, sup_row, h, greedy, t, m, do_race,
+               NSUP: tl.constexpr, ALL_GREEDY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """The kept set {s >= t}: its mass sum exp(s - m) and (when ``do_race``) its race winner."""
     ar = tl.arange(0, BLOCK)
     z = 0.0
+    best = float("-inf")
+    best_i = 0
     for start in range(0, V, BLOCK):
-        _, s = _load_s(row_ptr, start + ar, V, inv, sup_row, NSUP)
-        z += tl.sum(tl.where(s >= t, tl.exp(s - m), 0.0), 0)
-    return z
+        offs = start + ar
+        _, s = _load_s(row_ptr, offs, V, inv, sup_row, NSUP)
+        kept = s >= t
+        z += tl.sum(tl.where(kept, tl.exp(s - m), 0.0), 0)
+        if do_race & (tl.max(tl.where(kept, s, float("-inf")), 0) + 17.0 >= best):
+            key = tl.where(kept, _race_key(s, offs, h, greedy, ALL_GREEDY), float("-inf"))
+            kmax, ki = tl.max(key, 0, return_indices=True)
+            if kmax > best:
+                best = kmax
+                best_i = start + ki
+    return best_i, z
 
 
 @triton.jit
 def _filter(row_ptr, V, inv, sup_row, h, greedy, w, m, z, k, top_p, min_p, want_kept_mass,
             NSUP: tl.constexpr, ALL_GREEDY: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr,
             NT: tl.constexpr):  # fmt: skip
-    """(token, sum of exp(s - m) over the kept set) for a row with top-k / top-p / min-p (see module doc)."""
+    """(token, sum of exp(s - m) over the kept set) for a row with top-k / top-p / min-p (see module doc).
+
+    At most 4 rejection rounds, fewer when top-k rejected a winner with twice k tokens above it
+    (a flat row and a small k: the chain would be long); then the threshold is searched and the race
+    run once more on the kept set. ``processed`` logprobs search the threshold anyway (for its mass)."""
     t_minp = tl.where(min_p > 0.0, m + log32(tl.maximum(min_p, 1e-30)), float("-inf"))
     has_kp = (k > 0) | (top_p < 1.0)
+    k_cap = tl.where(k > 0, k, 1 << 40)
+    p_cap = tl.where(top_p < 1.0, top_p, float("inf"))
     s_w = tl.load(row_ptr + w).to(tl.float32) * inv
-    go = has_kp | (min_p > 0.0)
-    it = 0
+    any_filter = has_kp | (min_p > 0.0)
+    go = any_filter
+    ok = go == 0
+    lo_kp = float("-inf")  # the largest value seen that top-k / top-p drop: their threshold is above it
+    rounds = 0
     while go:
         cnt = 0
         mass = 0.0
         nxt = w
         if (s_w < m) & (has_kp | (s_w < t_minp)):
             cnt, mass, nxt = _above(row_ptr, V, inv, sup_row, h, greedy, s_w, t_minp, m, NSUP, ALL_GREEDY, BLOCK)
-        ok = (s_w >= t_minp) & ((k <= 0) | (cnt < k)) & ((top_p >= 1.0) | (mass / z < top_p))
-        it += 1
-        go = (ok == 0) & (it < 64)
+        kp_ok = (cnt < k_cap) & (mass / z < p_cap)
+        ok = (s_w >= t_minp) & kp_ok
+        lo_kp = tl.where(kp_ok, lo_kp, tl.maximum(lo_kp, s_w))
+        rounds += 1
+        go = (ok == 0) & (rounds < 4) & (cnt < 2 * k_cap)
         if go:
             w = nxt
             s_w = tl.load(row_ptr + w).to(tl.float32) * inv
     z_kept = z
-    if want_kept_mass & (has_kp | (min_p > 0.0)):
+    if (ok == 0) | (want_kept_mass & any_filter):
         t = t_minp
         if has_kp:
-            t = tl.maximum(t, _kp_threshold(row_ptr, V, inv, sup_row, s_w, m, z, k, top_p, NSUP, SBLOCK, NT))
-        z_kept = _kept_mass(row_ptr, V, inv, sup_row, t, m, NSUP, BLOCK)
+            hi = tl.where(ok, s_w, m)  # a kept value: the accepted winner, or the max
+            t = tl.maximum(t, _kp_threshold(row_ptr, V, inv, sup_row, lo_kp, hi, m, z, k, top_p, NSUP, SBLOCK, NT))
+        w2, z_kept = _race_from(row_ptr, V, inv, sup_row, h, greedy, t, m, ok == 0, NSUP, ALL_GREEDY, BLOCK)
+        w = tl.where(ok, w, w2)
     return w, z_kept
 
 
