@@ -149,9 +149,9 @@ def main() -> None:
     vocab = hf.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(100, vocab - 100, (args.prompt_len,), generator=gen).tolist() for _ in range(args.seqs)]
-    with torch.no_grad():
-        ids = torch.tensor([p[-1:] for p in prompts], device="cuda")
-        model_logits = hf(input_ids=ids).logits[:, -1].float().contiguous()
+    with torch.no_grad():  # the model's own head on normalised random states: its logits' distribution
+        h = torch.randn(args.seqs, hf.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+        model_logits = hf.lm_head(hf.model.norm(h)).float().contiguous()
     model_ms = bench_sampler({"model": model_logits, "lm_like": lm_like(args.seqs, vocab)}, args)
     if args.sweep:
         sweep(model_logits)

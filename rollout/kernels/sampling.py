@@ -30,8 +30,6 @@ import triton.language as tl
 from rollout.kernels.sampling_math import log32, log_exp_noise, ofloat, okey, row_hash
 from rollout.layers.sampler import SamplingTensors
 
-NEG_INF = float("-inf")
-
 
 @triton.jit
 def _load_s(row_ptr, offs, V, inv, sup_row, NSUP: tl.constexpr):
