@@ -61,7 +61,7 @@ def test_async_sync_eager_same_greedy_tokens(family):
         same += k
         total += len(ta)
     print(f"{family} fp32: graph vs eager identical prefix {same / total:.4f}, {diverged} near-tie divergences")
-    assert diverged <= 2
+    assert diverged <= 3
 
 
 def test_bf16_logprobs_vs_hf():
