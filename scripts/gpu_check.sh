@@ -16,7 +16,7 @@ LOG="$OUT/gpu_tests_$(date -u +%F)_${COMMIT}.log"
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 } > "$LOG" 2>&1
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -x -s -p no:cacheprovider ${GPU_TESTS:-tests/gpu} 2>&1 \
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -x -s -p no:cacheprovider ${GPU_TESTS:-tests/gpu} 2>&1 \
     | grep -v -E "Warning|warnings.warn" | tail -"${LOG_LINES:-80}" >> "$LOG"
   echo "pytest exit ${PIPESTATUS[0]}" >> "$LOG"
   tail -3 "$LOG"
