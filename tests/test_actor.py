@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
-import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
@@ -17,8 +16,9 @@ from rollout.engine.engine import EngineStats
 from rollout.job.actor import RolloutActor
 from rollout.job.config import DataConfig
 from rollout.job.data import PromptDataset, load_prompt_dataset
+from rollout.job.output_dir import prepare_output_dir
 from rollout.job.rewards import exact_match
-from rollout.job.trajectory_writer import TrajectoryWriter, prepare_output_dir
+from rollout.job.trajectory_writer import TrajectoryWriter, read_trajectories
 from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.sampling_params import SamplingParams
 
@@ -238,14 +238,15 @@ def test_writer_rounds_resume_and_torn_metrics(tmp_path: Path, tokenizer) -> Non
     writer.save_config({"a": 1})
     for _ in range(2):
         res = actor.run_round()
-        writer.write_round(res.trajectories, res.metrics)
-    table = pq.read_table(tmp_path / "trajectories.parquet")
+        writer.write_round(res.round, res.trajectories, res.metrics)
+    table = read_trajectories(tmp_path)
     assert table.num_rows == 8 and table.column("round").to_pylist() == [0] * 4 + [1] * 4
     assert set(table.column_names) >= {"prompt_ids", "completion_ids", "logprobs", "finish_reason", "reward"}
     with open(tmp_path / "metrics.jsonl", "a") as f:  # a line for a round whose parquet never landed
         f.write(json.dumps({"round": 2}) + "\n{torn")
     again = TrajectoryWriter(tmp_path, with_reward=True)
     assert again.has_previous_run and again.saved_config() == {"a": 1} and again.resume() == 2
+    assert again.num_rows == 8
     assert [json.loads(x)["round"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1]
     with pytest.raises(ValueError, match="columns"):
         TrajectoryWriter(tmp_path, with_reward=False).resume()

@@ -5,17 +5,18 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import save_file
 
 from rollout.assets import materialize_default_model
+from rollout.job.trajectory_writer import read_trajectories
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "rollout.py"
@@ -56,7 +57,8 @@ def run_composed(output_dir: Path, cache_dir: Path, *overrides: str, wandb: str 
 
 
 def run_subprocess(cache_dir: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, ROLLOUT_CACHE=str(cache_dir), WANDB_SILENT="true", HF_HUB_OFFLINE="1")
+    # PYTHONPATH pinned to this checkout: a relative one (PYTHONPATH=.) would resolve against cwd.
+    env = dict(os.environ, ROLLOUT_CACHE=str(cache_dir), WANDB_SILENT="true", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
     env.pop("WANDB_MODE", None)
     flags = [a for a in args if a.startswith("--")]  # Hydra's flags must precede the overrides
     overrides = [a for a in args if not a.startswith("--")]
@@ -71,7 +73,7 @@ def run_subprocess(cache_dir: Path, cwd: Path, *args: str) -> subprocess.Complet
 
 
 def rows(output_dir: Path) -> list[dict]:
-    return pq.read_table(output_dir / "trajectories.parquet").to_pylist()
+    return read_trajectories(output_dir).to_pylist()
 
 
 def test_compose_overrides_change_row_count(cache_dir: Path, tmp_path: Path) -> None:
@@ -170,7 +172,8 @@ def test_subprocess_multirun_layout_and_wandb_offline(cache_dir: Path, tmp_path:
     assert proc.returncode == 0, proc.stderr[-3000:]
     for job, n in ((0, 1), (1, 2)):
         out = tmp_path / "sweep" / str(job)
-        assert f"to {out / 'trajectories.parquet'} (wandb run: {out / 'wandb'}" in proc.stdout
+        assert f"to {out / 'trajectories'} (wandb run: {out / 'wandb'}" in proc.stdout
+        assert "round 1: " in (out / "rollout.log").read_text()  # logging reaches Hydra's log file
         table = rows(out)
         assert len(table) == 2 * 2 * n  # default rounds=2
         assert {
@@ -206,3 +209,90 @@ def test_subprocess_multirun_layout_and_wandb_offline(cache_dir: Path, tmp_path:
             assert key in metrics[0], key
         assert json.loads((out / "config.json").read_text())["sampling"]["n"] == n
         assert list((out / "wandb").glob("offline-run-*/run-*.wandb")), list(out.rglob("*"))
+
+
+# ---- issue 8: a refused run leaves no trace; one job per output_dir; resumes repeat exactly -------------
+def _jsonl(path: Path, prompts: list) -> Path:
+    path.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in prompts))
+    return path
+
+
+def test_refused_run_leaves_output_dir_reusable(cache_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """Each refusal comes before config.json is written, so the corrected rerun simply starts."""
+    from rollout.job.actor import RolloutActor
+
+    late_long = _jsonl(tmp_path / "long.jsonl", [[5, 6, 7]] * 20 + [[7] * 2404] + [[5, 6]] * 3)
+    late_null = _jsonl(tmp_path / "null.jsonl", [[5, 6, 7]] * 20 + [None] + [[5, 6]] * 3)
+    out = tmp_path / "o"
+    refusals = [
+        ("sampling.max_tokens=100000", "exceeds max_model_len"),
+        ("engine.num_blocks=1", "cannot fit the KV cache"),
+        ("engine.max_model_len=8", "max_model_len is 8"),
+        (f"data.path={late_long}", r"long.jsonl', row 20: prompt has 2404 tokens"),
+        (f"data.path={late_null}", r"null.jsonl', row 20: field 'prompt' is null"),
+    ]
+    with monkeypatch.context() as m:
+        m.setattr(RolloutActor, "run_round", lambda self: pytest.fail("generation started"))
+        for override, needle in refusals:
+            with pytest.raises(ValueError, match=needle):
+                run_composed(out, cache_dir, "rollout.reward=null", override)
+            assert not [p.name for p in out.iterdir() if not p.name.startswith(".")], override
+    run_composed(out, cache_dir, "rollout.rounds=1", "data.num_prompts=2")  # no "already holds a run"
+    assert len(rows(out)) == 2 * 4
+
+
+def test_second_job_on_a_locked_output_dir_is_refused(cache_dir: Path, tmp_path: Path) -> None:
+    from rollout.job.output_dir import OutputDirLock
+
+    out = tmp_path / "o"
+    out.mkdir()
+    with OutputDirLock(out):  # another job holding it (flock conflicts across open files, same process too)
+        with pytest.raises(ValueError, match=rf"is in use by another job \(pid {os.getpid()}\)"):
+            run_composed(out, cache_dir)
+    assert not (out / "config.json").exists()
+
+
+def test_unseeded_resume_repeats_the_uninterrupted_run(cache_dir: Path, tmp_path: Path) -> None:
+    """sampling.seed=null: the job seed drawn at the first start is kept in config.json, and every
+    request's seed derives from it, the round and the group; a resume after round 1 repeats round 2."""
+    args = ("sampling.n=2", "data.num_prompts=3", "rollout.rounds=3", "sampling.max_tokens=4")
+    full = run_composed(tmp_path / "full", cache_dir, *args)
+    saved = json.loads((full / "config.json").read_text())
+    assert saved["sampling"]["seed"] is None and isinstance(saved["job_seed"], int)
+    crashed = tmp_path / "crashed"  # what a crash during round 2 leaves: config, rounds 0-1, their metrics
+    (crashed / "trajectories").mkdir(parents=True)
+    for name in ("config.json", "trajectories/round_00000.parquet", "trajectories/round_00001.parquet"):
+        shutil.copyfile(full / name, crashed / name)
+    run_composed(crashed, cache_dir, *args, "rollout.resume=true")
+    assert rows(crashed) == rows(full)
+    other = run_composed(tmp_path / "other", cache_dir, *args)  # a new run draws a new job seed
+    assert [r["completion_ids"] for r in rows(other)] != [r["completion_ids"] for r in rows(full)]
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("model.device=tpu", "model.device='tpu' is invalid: must be null"),
+        ("engine.async_mode=maybe", "engine.async_mode='maybe' is invalid: must be true, false or null"),
+        ("data.path={tmp}/empty.jsonl", "empty.jsonl' is an empty file"),
+        ("data.path={tmp}/negative.jsonl", "negative.jsonl', row 1: token id -2 is negative"),
+    ],
+)
+def test_user_errors_are_value_errors(cache_dir: Path, tmp_path: Path, override: str, needle: str) -> None:
+    """main() turns these into `error: ...` and exit code 2 (never a traceback)."""
+    (tmp_path / "empty.jsonl").write_text("")
+    _jsonl(tmp_path / "negative.jsonl", [[1, 2], [1, -2, 3]])
+    with pytest.raises(ValueError, match=needle):
+        run_composed(tmp_path / "o", cache_dir, override.format(tmp=tmp_path))
+
+
+def test_subprocess_data_error_exits_2_and_lands_in_rollout_log(cache_dir: Path, tmp_path: Path) -> None:
+    data = _jsonl(tmp_path / "negative.jsonl", [[1, -2, 3]])
+    proc = run_subprocess(
+        cache_dir, tmp_path, f"data.path={data}", "logger.wandb.mode=disabled", f"hydra.run.dir={tmp_path}/run"
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: data.path=")
+    log = (tmp_path / "run" / "rollout.log").read_text()
+    assert "row 0: token id -2 is negative" in log
+    assert not (tmp_path / "run" / "config.json").exists()

@@ -7,6 +7,7 @@ while a round runs, and so a trainer could interleave other work between steps.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import Counter
@@ -16,26 +17,12 @@ from typing import Any
 
 from rollout.job.data import Prompt, PromptDataset
 from rollout.job.rewards import RewardFn
+from rollout.job.seeds import request_seed
+from rollout.job.trajectory import Trajectory
 from rollout.sampling_params import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort")
 StepCallback = Callable[[dict[str, float]], None]
-
-
-@dataclass(frozen=True, slots=True)
-class Trajectory:
-    round: int
-    group_id: int  # the prompt's position in the prompt stream: unique across rounds, shared by its n samples
-    sample_index: int  # 0 .. n-1 within the group
-    prompt_index: int  # the dataset row
-    prompt: str
-    completion: str
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]  # one per completion token, as the engine's logprobs_mode defines them
-    finish_reason: str
-    policy_version: int  # the weight version that produced the last token
-    reward: float | None = None
 
 
 @dataclass(slots=True)
@@ -65,7 +52,10 @@ class RolloutActor:
         log_every_steps: int = 16,
         on_step: StepCallback | None = None,
         progress: bool = False,
+        seed: int | None = None,
     ) -> None:
+        """``seed``: the job seed; each request's seed is derived from it, the round and the group, so a
+        resumed run repeats an uninterrupted one. None leaves unseeded requests to the engine."""
         if num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
         if start_round < 0:
@@ -74,6 +64,7 @@ class RolloutActor:
         self.num_prompts, self.reward_fn = num_prompts, reward_fn
         self.round = start_round  # the next round to run; prompts [round * num_prompts, ...) come next
         self.log_every_steps, self.on_step, self.progress = log_every_steps, on_step, progress
+        self.seed = seed
 
     def update_weights(
         self, named_tensors: Iterable[tuple[str, Any]] | dict[str, Any], version: int | None = None
@@ -105,7 +96,7 @@ class RolloutActor:
         pending: dict[str, int] = {}
         try:
             for g, p in prompts.items():
-                pending[self.engine.add_request(list(p.token_ids), self.params, f"round{r}-group{g}")] = g
+                pending[self.engine.add_request(list(p.token_ids), self._params(r, g), f"round{r}-group{g}")] = g
         except Exception:
             for request_id in pending:
                 self.engine.abort(request_id)
@@ -113,6 +104,11 @@ class RolloutActor:
                 self.engine.step()
             raise
         return pending
+
+    def _params(self, r: int, group: int) -> SamplingParams:
+        if self.seed is None:
+            return self.params
+        return dataclasses.replace(self.params, seed=request_seed(self.seed, r, group))
 
     def _drive(
         self, pending: dict[str, int], r: int, t0: float, generated0: int
