@@ -89,14 +89,21 @@ def _run_locked(job: JobConfig, writer: Any) -> Path:
         on_step=logger.log_step,
         progress=job.logger.progress,
         seed=start.job_seed,
+        mode=job.rollout.mode,
+        max_staleness=job.rollout.max_staleness,
+        stale_groups=job.rollout.stale_groups,
+        recompute_running=job.rollout.recompute_running,
+        max_inflight_groups=job.rollout.max_inflight_groups,
+        state=start.state,
     )
     exit_code = 1
     threads = torch_threads(job.rollout.torch_threads)
     try:
         for _ in range(start.round, job.rollout.rounds):
             result = actor.run_round()
-            writer.write_round(result.round, result.trajectories, result.metrics)
-            logger.log_round(result.metrics, [len(t.completion_ids) for t in result.trajectories])
+            writer.write_round(result.round, result.trajectories, result.metrics, actor.state())
+            lengths = [len(t.completion_ids) for t in result.trajectories]
+            logger.log_round(result.metrics, {"completion_len": lengths, "staleness": result.staleness})
             log.info(_summary(result.metrics))
         exit_code = 0
     finally:
@@ -119,9 +126,11 @@ def torch_threads(n: int | None) -> int:
 
 def _summary(m: dict[str, Any]) -> str:
     reward = f", reward {m['reward_mean']:.3f}" if "reward_mean" in m else ""
+    carried = f", {m['carried_over_groups']} groups carried over" if m["carried_over_groups"] else ""
+    dropped = f", {m['dropped_groups']} dropped as stale" if m["dropped_groups"] else ""
     return (
         f"round {m['round']}: {m['num_samples']} samples, {m['generated_tokens']} tokens in "
-        f"{m['round_time_s']:.2f}s ({m['generated_tokens_per_s']:.0f} tok/s){reward}"
+        f"{m['round_time_s']:.2f}s ({m['generated_tokens_per_s']:.0f} tok/s){reward}{carried}{dropped}"
     )
 
 

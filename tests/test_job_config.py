@@ -90,6 +90,10 @@ def test_round_trip() -> None:
         ("engine.attention_backend=3", "engine.attention_backend=3 is invalid: must be a non-empty string"),
         ("model.device=tpu", "model.device='tpu' is invalid: must be null (cuda if available, else cpu), 'cpu'"),
         ("sampling.temperature=inf", "sampling.temperature=inf is invalid"),
+        ("rollout.mode=eager", "rollout.mode='eager' is invalid: must be one of ['drain', 'partial']"),
+        ("rollout.max_staleness=1", "rollout.max_staleness=1 is invalid: must be null with rollout.mode=drain"),
+        ("rollout.stale_groups=keep", "rollout.stale_groups='keep' is invalid: must be one of ['drop', 'regen"),
+        ("rollout.recompute_running=1", "rollout.recompute_running=1 is invalid: must be true or false"),
     ],
 )
 def test_bad_values_name_key_value_and_range(override: str, needle: str) -> None:
@@ -101,6 +105,19 @@ def test_bad_values_name_key_value_and_range(override: str, needle: str) -> None
 @pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1", None])
 def test_device_values_accepted(device) -> None:
     assert JobConfig.from_dict({"output_dir": "/x", "model": {"device": device}}).model.device == device
+
+
+def test_partial_mode_keys() -> None:
+    job = JobConfig.from_dict(
+        composed("rollout.mode=partial", "rollout.max_staleness=2", "rollout.stale_groups=regenerate",
+                 "rollout.max_inflight_groups=16", "rollout.recompute_running=false")
+    )
+    r = job.rollout
+    assert (r.mode, r.max_staleness, r.stale_groups, r.max_inflight_groups, r.recompute_running) == (
+        "partial", 2, "regenerate", 16, False
+    )
+    with pytest.raises(ValueError, match="rollout.max_staleness=-1 is invalid: must be an int >= 0 or null"):
+        JobConfig.from_dict(composed("rollout.mode=partial", "rollout.max_staleness=-1"))
 
 
 def test_output_dir_is_required() -> None:

@@ -29,7 +29,7 @@ def tokenizer():
 
 
 def traj(r: int, g: int, i: int) -> Trajectory:
-    return Trajectory(r, g, i, g, "p", "c", [1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], "stop", 0, 1.0)
+    return Trajectory(r, g, i, g, "p", "c", [1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], "stop", 0, [0, 0, 0], 0, 0, 1.0)
 
 
 def test_rounds_are_separate_files_read_as_one_table(tmp_path: Path) -> None:

@@ -91,10 +91,10 @@ def test_resume_after_crash_has_no_duplicates_or_gaps(cache_dir: Path, tmp_path:
     out, args = tmp_path / "o", ("sampling.n=2", "data.num_prompts=3", "rollout.rounds=3", "sampling.seed=1")
     drive = RolloutActor._drive
 
-    def crash_in_round_2(self, pending, r, *rest):
+    def crash_in_round_2(self, r, *rest):
         if r == 2:
             raise RuntimeError("simulated crash")
-        return drive(self, pending, r, *rest)
+        return drive(self, r, *rest)
 
     monkeypatch.setattr(RolloutActor, "_drive", crash_in_round_2)
     with pytest.raises(RuntimeError, match="simulated crash"):
@@ -182,6 +182,9 @@ def test_subprocess_multirun_layout_and_wandb_offline(cache_dir: Path, tmp_path:
             "logprobs",
             "finish_reason",
             "policy_version",
+            "policy_versions",
+            "min_policy_version",
+            "max_policy_version",
             "group_id",
             "round",
             "prompt",
@@ -205,6 +208,10 @@ def test_subprocess_multirun_layout_and_wandb_offline(cache_dir: Path, tmp_path:
             "reward_mean",
             "reward_std",
             "policy_version",
+            "tail_batch_size",
+            "staleness_hist",
+            "dropped_groups",
+            "carried_over_tokens",
         ):
             assert key in metrics[0], key
         assert json.loads((out / "config.json").read_text())["sampling"]["n"] == n
@@ -296,3 +303,54 @@ def test_subprocess_data_error_exits_2_and_lands_in_rollout_log(cache_dir: Path,
     log = (tmp_path / "run" / "rollout.log").read_text()
     assert "row 0: token id -2 is negative" in log
     assert not (tmp_path / "run" / "config.json").exists()
+
+
+# ---- issue 14: partial rollouts through the job ----------------------------------------------------------
+def test_partial_mode_crash_and_resume_writes_every_group_once(cache_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    from collections import Counter
+
+    from rollout.job.actor import RolloutActor
+    from rollout.job.trajectory_writer import TrajectoryWriter
+
+    out = tmp_path / "o"
+    args = ("rollout.mode=partial", "rollout.max_inflight_groups=3", "data.num_prompts=2", "sampling.n=2",
+            "rollout.rounds=4", "rollout.reward=null")
+    run_round = RolloutActor.run_round
+
+    def crash_in_round_2(self):
+        if self.round == 2:
+            raise RuntimeError("simulated crash")
+        return run_round(self)
+
+    monkeypatch.setattr(RolloutActor, "run_round", crash_in_round_2)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_composed(out, cache_dir, *args)
+    probe = TrajectoryWriter(out, with_reward=False)
+    assert probe.resume() == 2 and probe.state["inflight_groups"]  # carried over when it crashed
+    carried = set(probe.state["inflight_groups"])
+    monkeypatch.setattr(RolloutActor, "run_round", run_round)
+    run_composed(out, cache_dir, *args, "rollout.resume=true")
+    table = rows(out)
+    per_group = Counter(r["group_id"] for r in table)
+    assert set(per_group.values()) == {2} and [r["round"] for r in table] == [x for x in range(4) for _ in range(4)]
+    final = TrajectoryWriter(out, with_reward=False)
+    final.resume()
+    pending = set(final.state["inflight_groups"])
+    assert carried <= set(per_group) | pending and not pending & set(per_group)
+    assert set(per_group) | pending == set(range(final.state["next_group"]))
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["round"] for m in metrics] == [0, 1, 2, 3]
+    assert all(m["carried_over_groups"] >= 1 and "tail_batch_size" in m for m in metrics)
+
+
+def test_wandb_gets_histograms_not_dicts(tmp_path: Path) -> None:
+    from rollout.job.config import WandbConfig
+    from rollout.job.wandb_logger import WandbLogger
+
+    logged = []
+    logger = WandbLogger(WandbConfig(mode="disabled"), tmp_path, {})
+    logger.run = type("Run", (), {"log": lambda self, row: logged.append(row)})()
+    logger._wandb = type("W", (), {"Histogram": staticmethod(lambda values: ("hist", values))})
+    logger.log_round({"round": 3, "staleness_hist": {"0": 2}, "dropped_groups": 1, "gpu_busy_frac": None},
+                     {"staleness": [0, 0, 1], "completion_len": []})
+    assert logged == [{"round": 3, "round/dropped_groups": 1, "round/staleness_hist": ("hist", [0, 0, 1])}]

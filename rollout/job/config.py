@@ -138,6 +138,13 @@ class RolloutConfig:
     # torch intra-op threads while the job runs; None = torch's default. Small CPU models run several
     # times faster on one thread (no OpenMP hand-offs per tiny op), hence 1 for the embedded default.
     torch_threads: int | None = 1
+    # drain: a round waits for all its groups. partial: a round ends once num_prompts groups finished;
+    # the rest keep running (and their KV) into the next round, under the weights that arrive meanwhile.
+    mode: str = "drain"
+    max_inflight_groups: int | None = None  # partial: groups kept in the engine; None = data.num_prompts
+    max_staleness: int | None = None  # partial: max versions between a group's oldest token and the weights
+    stale_groups: str = "drop"  # partial: what happens to a group over max_staleness: drop | regenerate
+    recompute_running: bool = True  # partial: recompute carried-over KV under new weights (one prefill each)
 
     def __post_init__(self) -> None:
         check_int("rollout.rounds", self.rounds, lo=1)
@@ -146,6 +153,16 @@ class RolloutConfig:
             check_int("rollout.torch_threads", self.torch_threads, lo=1, allowed="an int >= 1 or null")
         if self.reward is not None:
             check_choice("rollout.reward", self.reward, tuple(REWARDS), f"one of {sorted(REWARDS)} or null")
+        check_choice("rollout.mode", self.mode, ("drain", "partial"))
+        if self.max_inflight_groups is not None:
+            check_int("rollout.max_inflight_groups", self.max_inflight_groups, lo=1, allowed="an int >= 1 or null")
+        if self.max_staleness is not None:
+            check_int("rollout.max_staleness", self.max_staleness, lo=0, allowed="an int >= 0 or null")
+        check_choice("rollout.stale_groups", self.stale_groups, ("drop", "regenerate"))
+        check_bool("rollout.recompute_running", self.recompute_running)
+        for key in ("max_inflight_groups", "max_staleness"):
+            if self.mode == "drain" and getattr(self, key) is not None:
+                fail(f"rollout.{key}", getattr(self, key), "null with rollout.mode=drain (it is partial mode's)")
 
 
 @dataclass(frozen=True, slots=True)

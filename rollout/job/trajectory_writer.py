@@ -50,6 +50,9 @@ def trajectory_schema(with_reward: bool) -> pa.Schema:
         ("logprobs", pa.list_(pa.float32())),  # the engine computes them in float32: lossless
         ("finish_reason", pa.string()),
         ("policy_version", pa.int64()),  # the weights that made the last token
+        ("policy_versions", pa.list_(pa.int64())),  # the weights that made each token
+        ("min_policy_version", pa.int64()),
+        ("max_policy_version", pa.int64()),
     ]
     if with_reward:
         fields.append(("reward", pa.float64()))
