@@ -62,6 +62,7 @@ def _run_locked(job: JobConfig, writer: Any) -> Path:
     from rollout.job.actor import RolloutActor
     from rollout.job.data import load_prompt_dataset
     from rollout.job.rewards import get_reward_fn
+    from rollout.job.snapshots import SnapshotWatcher
     from rollout.job.wandb_logger import WandbLogger
 
     reward_fn = get_reward_fn(job.rollout.reward)
@@ -70,6 +71,7 @@ def _run_locked(job: JobConfig, writer: Any) -> Path:
         log.info("nothing to do: %d of %d rounds already in %s", start.round, job.rollout.rounds, writer.dir)
         return writer.dir
     params = job.sampling.to_params()
+    watcher = SnapshotWatcher(job.rollout.weights_from) if job.rollout.weights_from is not None else None
     model_dir = setup.model_dir(job)
     tokenizer = setup.load_tokenizer(job.model.tokenizer or model_dir, explicit=job.model.tokenizer is not None)
     dataset = load_prompt_dataset(job.data, tokenizer, require_answer=reward_fn is not None)
@@ -100,6 +102,8 @@ def _run_locked(job: JobConfig, writer: Any) -> Path:
     threads = torch_threads(job.rollout.torch_threads)
     try:
         for _ in range(start.round, job.rollout.rounds):
+            if watcher is not None:
+                watcher.load_newest(actor)  # between rounds: the round's tokens carry its step
             result = actor.run_round()
             writer.write_round(result.round, result.trajectories, result.metrics, actor.state())
             lengths = [len(t.completion_ids) for t in result.trajectories]

@@ -145,6 +145,9 @@ class RolloutConfig:
     max_staleness: int | None = None  # partial: max versions between a group's oldest token and the weights
     stale_groups: str = "drop"  # partial: what happens to a group over max_staleness: drop | regenerate
     recompute_running: bool = True  # partial: recompute carried-over KV under new weights (one prefill each)
+    # A directory the trainer writes step_<N>/ snapshots into (HF safetensors + a COMPLETE marker); before
+    # each round the newest unseen complete one is loaded and the round's tokens carry policy_version N.
+    weights_from: str | None = None
 
     def __post_init__(self) -> None:
         check_int("rollout.rounds", self.rounds, lo=1)
@@ -160,6 +163,7 @@ class RolloutConfig:
             check_int("rollout.max_staleness", self.max_staleness, lo=0, allowed="an int >= 0 or null")
         check_choice("rollout.stale_groups", self.stale_groups, ("drop", "regenerate"))
         check_bool("rollout.recompute_running", self.recompute_running)
+        check_opt_str("rollout.weights_from", self.weights_from)
         for key in ("max_inflight_groups", "max_staleness"):
             if self.mode == "drain" and getattr(self, key) is not None:
                 fail(f"rollout.{key}", getattr(self, key), "null with rollout.mode=drain (it is partial mode's)")
