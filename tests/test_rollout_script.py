@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -257,6 +258,24 @@ def test_second_job_on_a_locked_output_dir_is_refused(cache_dir: Path, tmp_path:
         with pytest.raises(ValueError, match=rf"is in use by another job \(pid {os.getpid()}\)"):
             run_composed(out, cache_dir)
     assert not (out / "config.json").exists()
+
+
+def test_two_jobs_started_together_one_runs_one_is_refused(cache_dir: Path, tmp_path: Path) -> None:
+    """Two processes on one output_dir at the same moment: exactly one writes; the other exits 2."""
+    env = dict(os.environ, ROLLOUT_CACHE=str(cache_dir), WANDB_SILENT="true", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    out = tmp_path / "shared"
+    cmd = [sys.executable, str(SCRIPT), *TINY, f"output_dir={out}", "rollout.rounds=1", "data.num_prompts=2",
+           "logger.wandb.mode=disabled", f"hydra.run.dir={tmp_path}/h"]
+    procs = [subprocess.Popen([*cmd, f"sampling.n={n}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for n in (1, 2)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    codes = sorted(code for code, _ in results)
+    assert codes == [0, 2], results
+    refused = next(err for code, err in results if code == 2)
+    assert "Traceback" not in refused and "not writable" not in refused
+    assert re.search(r"error: output_dir=.* (is in use by another job \(pid \d+\)|already holds a run)", refused)
+    n = json.loads((out / "config.json").read_text())["sampling"]["n"]
+    assert len(rows(out)) == 2 * n  # the rows and the config are the same job's
 
 
 def test_unseeded_resume_repeats_the_uninterrupted_run(cache_dir: Path, tmp_path: Path) -> None:
