@@ -62,15 +62,18 @@ class WandbLogger:
         """The run's own directory (holding the .wandb file), or None when disabled."""
         return Path(self.run.dir).parent if self.run is not None else None
 
-    def log_round(self, metrics: Mapping[str, Any], completion_lengths: Sequence[int]) -> None:
+    def log_round(self, metrics: Mapping[str, Any], histograms: Mapping[str, Sequence[float]]) -> None:
+        """Scalars as ``round/<key>``; each list in ``histograms`` (e.g. completion_len, staleness) as
+        ``round/<name>_hist`` (metrics.jsonl keeps its own dict form, such as staleness_hist)."""
         if self.run is None:
             return
         row: dict[str, Any] = {"round": metrics["round"]}
         for key, value in metrics.items():
-            if key != "round" and value is not None:
+            if key != "round" and value is not None and not isinstance(value, Mapping):
                 row[f"round/{key}"] = value
-        if completion_lengths:
-            row["round/completion_len_hist"] = self._wandb.Histogram(list(completion_lengths))
+        for name, values in histograms.items():
+            if values:
+                row[f"round/{name}_hist"] = self._wandb.Histogram(list(values))
         self.run.log(row)
 
     def log_step(self, metrics: Mapping[str, float]) -> None:
