@@ -61,9 +61,9 @@ def test_per_token_versions_change_exactly_at_the_round_boundary() -> None:
     actor = partial_actor(engine, recompute_running=False)
     actor.run_round()
     landed = {}  # (group, sample) -> tokens made under version 0
-    for rid, group in actor._running.items():
+    for rid, group_id in actor.in_flight().items():
         for c in engine.partial_output(rid).outputs:
-            landed[(group.group_id, c.index)] = len(c.token_ids)
+            landed[(group_id, c.index)] = len(c.token_ids)
     assert any(landed.values()), "the test needs a group carried over with tokens"
     assert actor.update_weights({}, version=1) == 1
     assert engine.updates[-1][1] is False  # recompute_running passed through
@@ -96,12 +96,12 @@ def test_staleness_drop_is_counted_and_regenerate_resubmits() -> None:
         assert len(written) == len(set(written)) * N  # no group twice
         if policy == "drop":
             assert dropped > 0 and regenerated == 0
-            lost = set(range(actor._next_group)) - set(written) - set(actor.state()["inflight_groups"])
+            lost = set(range(actor.next_group)) - set(written) - set(actor.state()["inflight_groups"])
             assert len(lost) == dropped  # dropped groups are gone, and counted
         else:
             assert regenerated > 0 and dropped == 0
             pending = set(actor.state()["inflight_groups"])
-            assert set(written) | pending == set(range(actor._next_group))  # nothing lost
+            assert set(written) | pending == set(range(actor.next_group))  # nothing lost
 
 
 def test_exactly_once_over_5_rounds_with_pushes_and_a_crash(tmp_path: Path) -> None:
@@ -201,9 +201,9 @@ def test_real_engine_versions_switch_at_the_boundary(default_model: Path, one_th
     actor = RolloutActor(engine, ds, params, 2, seed=3, mode="partial", max_inflight_groups=4)
     actor.run_round()
     landed = {}
-    for rid, group in actor._running.items():
+    for rid, group_id in actor.in_flight().items():
         for c in engine.partial_output(rid).outputs:
-            landed[(group.group_id, c.index)] = len(c.token_ids)
+            landed[(group_id, c.index)] = len(c.token_ids)
     assert any(landed.values())
     hf = AutoModelForCausalLM.from_pretrained(default_model)
     actor.update_weights(hf.named_parameters(), version=1)

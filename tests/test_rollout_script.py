@@ -90,18 +90,18 @@ def test_resume_after_crash_has_no_duplicates_or_gaps(cache_dir: Path, tmp_path:
     from rollout.job.actor import RolloutActor
 
     out, args = tmp_path / "o", ("sampling.n=2", "data.num_prompts=3", "rollout.rounds=3", "sampling.seed=1")
-    drive = RolloutActor._drive
+    run_round = RolloutActor.run_round
 
-    def crash_in_round_2(self, r, *rest):
-        if r == 2:
+    def crash_in_round_2(self):
+        if self.round == 2:
             raise RuntimeError("simulated crash")
-        return drive(self, r, *rest)
+        return run_round(self)
 
-    monkeypatch.setattr(RolloutActor, "_drive", crash_in_round_2)
+    monkeypatch.setattr(RolloutActor, "run_round", crash_in_round_2)
     with pytest.raises(RuntimeError, match="simulated crash"):
         run_composed(out, cache_dir, *args)
     assert {r["round"] for r in rows(out)} == {0, 1}
-    monkeypatch.setattr(RolloutActor, "_drive", drive)
+    monkeypatch.setattr(RolloutActor, "run_round", run_round)
     with pytest.raises(ValueError, match="already holds a run; set rollout.resume=true"):
         run_composed(out, cache_dir, *args)
     with pytest.raises(ValueError, match=r"cannot resume .* sampling.n: saved 2, now 3"):
@@ -369,7 +369,7 @@ def test_wandb_gets_histograms_not_dicts(tmp_path: Path) -> None:
     logged = []
     logger = WandbLogger(WandbConfig(mode="disabled"), tmp_path, {})
     logger.run = type("Run", (), {"log": lambda self, row: logged.append(row)})()
-    logger._wandb = type("W", (), {"Histogram": staticmethod(lambda values: ("hist", values))})
+    logger.wandb_module = type("W", (), {"Histogram": staticmethod(lambda values: ("hist", values))})
     logger.log_round({"round": 3, "staleness_hist": {"0": 2}, "dropped_groups": 1, "gpu_busy_frac": None},
                      {"staleness": [0, 0, 1], "completion_len": []})
     assert logged == [{"round": 3, "round/dropped_groups": 1, "round/staleness_hist": ("hist", [0, 0, 1])}]

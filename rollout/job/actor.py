@@ -104,6 +104,15 @@ class RolloutActor:
     def partial(self) -> bool:
         return self.mode == "partial"
 
+    @property
+    def next_group(self) -> int:
+        """The next fresh position in the prompt stream (groups before it were submitted at least once)."""
+        return self._next_group
+
+    def in_flight(self) -> dict[str, int]:
+        """Request id -> group id of every group running in the engine (carried over in partial mode)."""
+        return {rid: g.group_id for rid, g in self._running.items()}
+
     def state(self) -> dict[str, Any]:
         """What a resume needs: the next fresh position and every group started but not handed out."""
         pending = [g.group_id for g in [*self._running.values(), *self._ready]] + self._regenerate

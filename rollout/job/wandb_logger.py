@@ -18,12 +18,12 @@ class WandbLogger:
     def __init__(self, cfg: WandbConfig, output_dir: str | Path, config: Mapping[str, Any]) -> None:
         self.cfg = cfg
         self.run: Any = None
-        self._wandb: Any = None
+        self.wandb_module: Any = None  # the imported wandb package (None when disabled): tests may stand in for it
         if cfg.mode == "disabled":
             return
         import wandb
 
-        self._wandb = wandb
+        self.wandb_module = wandb
         settings = wandb.Settings(
             silent=cfg.mode == "offline",  # online keeps wandb's own lines: they carry the run URL
             console="off",  # no stdout capture: keeps the tqdm bar intact
@@ -73,7 +73,7 @@ class WandbLogger:
                 row[f"round/{key}"] = value
         for name, values in histograms.items():
             if values:
-                row[f"round/{name}_hist"] = self._wandb.Histogram(list(values))
+                row[f"round/{name}_hist"] = self.wandb_module.Histogram(list(values))
         self.run.log(row)
 
     def log_step(self, metrics: Mapping[str, float]) -> None:
