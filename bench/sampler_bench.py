@@ -113,16 +113,16 @@ def sweep(logits: torch.Tensor) -> None:
 
 def decode_steps(engine: Engine, prompts: list[list[int]], sampling: str, new: int) -> float:
     """Median compute-stream ms of the decode steps that ran all the prompts together."""
-    runner = engine.runner
     warm = SamplingParams(max_tokens=4, ignore_eos=True, **SAMPLINGS[sampling])
     engine.generate([p[:8] for p in prompts], warm)  # captures the full batch's graph for this variant
     params = [SamplingParams(max_tokens=new, ignore_eos=True, seed=i, **SAMPLINGS[sampling])
               for i in range(len(prompts))]  # fmt: skip
-    runner.records.clear()
-    runner.record_steps = True
+    clock = engine.runner.clock
+    clock.records.clear()
+    clock.record_steps = True
     engine.generate(prompts, params)
-    runner.record_steps = False
-    full = [r.compute_ms for r in runner.records if r.decode and r.batch == len(prompts)]
+    clock.record_steps = False
+    full = [r.compute_ms for r in clock.records if r.decode and r.batch == len(prompts)]
     assert full, "no decode step ran the whole batch"
     return statistics.median(full)
 
@@ -162,11 +162,11 @@ def main() -> None:
     engine = Engine.from_pretrained(hf, dtype="bfloat16", max_model_len=args.prompt_len + args.new + 16,
                                     num_blocks=blocks, max_num_seqs=args.seqs)  # fmt: skip
     engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    import rollout.engine.cuda_runner as cuda_runner
+    import rollout.engine.runner as runner_mod  # forward_and_sample calls its ``sample``
 
-    engine_sample = cuda_runner.sample  # dispatches CUDA logits to the fused kernel
+    engine_sample = runner_mod.sample  # dispatches CUDA logits to the fused kernel
     for impl in ("fused", "torch") if args.compare_torch else ("fused",):
-        cuda_runner.sample = engine_sample if impl == "fused" else sample_torch  # bench-only swap
+        runner_mod.sample = engine_sample if impl == "fused" else sample_torch  # bench-only swap
         engine.runner.graphs.clear()  # graphs captured with the other sampler
         steps = {s: decode_steps(engine, prompts, s, args.new) for s in SAMPLINGS}
         for sampling, ms in steps.items():
