@@ -69,7 +69,8 @@ class Engine:
         )
         self._sleep_level = 0
         self.kv_caches = self.kv.layers
-        self.attn_backend = make_attention_backend(config.attention_backend, device, config.block_size)
+        self.attn_backend = make_attention_backend(config.attention_backend, device, config.block_size,
+                                                   config.kv_cache_dtype)
         self.runner = self._make_runner()
         self.weights = WeightSync(model)
         self.policy_version = 0
