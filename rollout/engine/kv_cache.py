@@ -36,6 +36,35 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return KV_DTYPES[name]
 
 
+def fit_num_blocks(config: EngineConfig, free: int, total: int, workspace: int, block_bytes: int,
+                   enough: int) -> int:
+    """The CUDA sizing rule, given free/total device bytes and the measured step workspace.
+
+    Derived: what ``gpu_memory_utilization`` leaves after the workspace, at most ``enough`` blocks.
+    Explicit: ``num_blocks`` itself, refused (``KVCacheTooLarge``, naming the largest that fits) when
+    it would leave less than the workspace free.
+    """
+    c, gib = config, 2**30
+    where = f"max_num_seqs={c.max_num_seqs}, max_num_batched_tokens={c.max_num_batched_tokens}"
+    if c.num_blocks is not None:
+        fits = max(0, free - workspace) // block_bytes
+        if c.num_blocks > fits:
+            raise KVCacheTooLarge(
+                f"num_blocks={c.num_blocks} ({c.num_blocks * block_bytes / gib:.2f} GiB of KV cache) does not fit "
+                f"beside the {workspace / gib:.2f} GiB a step needs at {where} ({free / gib:.2f} GiB free); the "
+                f"largest num_blocks that fits is {fits}",
+                fits,
+            )
+        return c.num_blocks
+    budget = int(free - (1 - c.gpu_memory_utilization) * total) - workspace
+    if budget < block_bytes:
+        raise ValueError(
+            f"no room for a KV cache: {free / gib:.2f} GiB free, {workspace / gib:.2f} GiB needed by a step at "
+            f"{where}, gpu_memory_utilization={c.gpu_memory_utilization}; lower the first two or raise the last"
+        )
+    return min(enough, budget // block_bytes)
+
+
 class KVCache:
     """Owns one tensor per engine: ``[layers, 2, num_blocks, block_size, Hkv, D]``, or for fp8 the raw
     bytes ``[layers, 2, num_blocks, block_bytes]``; ``layers`` is the per-layer view list the runner
@@ -99,26 +128,7 @@ class KVCache:
         del dummy
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        fits = max(0, free - self.workspace_bytes) // self.block_bytes
-        gib = 2**30
-        if c.num_blocks is not None:
-            if c.num_blocks > fits:
-                raise KVCacheTooLarge(
-                    f"num_blocks={c.num_blocks} ({c.num_blocks * self.block_bytes / gib:.2f} GiB of KV cache) does "
-                    f"not fit beside the {self.workspace_bytes / gib:.2f} GiB a step needs at max_num_seqs="
-                    f"{c.max_num_seqs}, max_num_batched_tokens={c.max_num_batched_tokens} ({free / gib:.2f} GiB "
-                    f"free); the largest num_blocks that fits is {fits}",
-                    fits,
-                )
-            return c.num_blocks
-        budget = int(free - (1 - c.gpu_memory_utilization) * total) - self.workspace_bytes
-        if budget < self.block_bytes:
-            raise ValueError(
-                f"no room for a KV cache: {free / gib:.2f} GiB free, {self.workspace_bytes / gib:.2f} GiB needed "
-                f"by a step at max_num_seqs={c.max_num_seqs}, max_num_batched_tokens={c.max_num_batched_tokens}, "
-                f"gpu_memory_utilization={c.gpu_memory_utilization}; lower the first two or raise the last"
-            )
-        return min(enough, budget // self.block_bytes)
+        return fit_num_blocks(c, free, total, self.workspace_bytes, self.block_bytes, enough)
 
     def allocate(self) -> None:
         if self.storage is not None:
