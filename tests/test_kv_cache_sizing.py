@@ -45,3 +45,25 @@ def test_resolve_kv_dtype():
     assert resolve_kv_dtype("fp8", torch.bfloat16) is torch.float8_e4m3fn
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         resolve_kv_dtype("int4", torch.bfloat16)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_workspace_dummy_steps_are_valid_batches(kv_dtype):
+    """The steps the engine measures on CUDA (largest decode, largest mixed step, heaviest sampler) run
+    on the CPU's torch backend too: shapes, block tables and the fp8 layout all line up."""
+    from rollout.engine.loading import build_model
+    from rollout.engine.memory_profile import dummy_step, mixed_q_lens
+    from rollout.layers.backends import make_attention_backend
+    from tests.tiny_models import make_tiny_hf_model
+
+    hf = make_tiny_hf_model("qwen2")
+    model, _ = build_model(hf, "float32", torch.device("cpu"))
+    config = EngineConfig(max_num_seqs=6, max_num_batched_tokens=40, block_size=8, kv_cache_dtype=kv_dtype)
+    kv = KVCache(model, EngineConfig(num_blocks=1, block_size=8, kv_cache_dtype=kv_dtype), torch.device("cpu"),
+                 torch.float32, 64)
+    backend = make_attention_backend("auto", torch.device("cpu"), 8, kv_dtype)
+    assert mixed_q_lens(config, 16) == [16, 16, 5, 1, 1, 1]  # 40 tokens, none past max_model_len
+    for q_lens in ([1] * 6, mixed_q_lens(config, 16)):
+        with torch.inference_mode():  # as measure_step_workspace runs it
+            tokens, logprobs = dummy_step(model, kv.layers, backend, q_lens, 2, torch.device("cpu"))
+        assert tokens.shape == logprobs.shape == (6,) and torch.isfinite(logprobs).all()

@@ -71,21 +71,33 @@ def _sampling(rows: int, device: torch.device) -> SamplingTensors:
     )
 
 
-def _step_peak(model: torch.nn.Module, kv_caches: list[torch.Tensor], backend: object, q_lens: list[int],
-               max_blocks: int, device: torch.device) -> int:
-    """Bytes allocated at the peak of one forward + sample, above what was allocated before it."""
+def dummy_step(model: torch.nn.Module, kv_caches: list[torch.Tensor], backend: object, q_lens: list[int],
+               max_blocks: int, device: torch.device, before_forward=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward + sample of fresh sequences of ``q_lens`` tokens, each sampled; returns (tokens, logprobs)."""
     meta = _metadata(q_lens, max_blocks, device)
     ids = torch.zeros(sum(q_lens), dtype=torch.int64, device=device)
     last = meta.query_start_loc[1:].long() - 1
     st = _sampling(len(q_lens), device)
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
+    if before_forward is not None:
+        before_forward()
     hidden = model(ids, meta.positions, kv_caches, meta, backend)
-    tokens, logprobs = sample(model.compute_logits(hidden[last]), st)
-    del hidden, tokens, logprobs
+    return sample(model.compute_logits(hidden[last]), st)
+
+
+def _step_peak(model: torch.nn.Module, kv_caches: list[torch.Tensor], backend: object, q_lens: list[int],
+               max_blocks: int, device: torch.device) -> int:
+    """Bytes allocated at the peak of one forward + sample, above what was allocated before it."""
+    base = []
+
+    def reset() -> None:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base.append(torch.cuda.memory_allocated(device))
+
+    out = dummy_step(model, kv_caches, backend, q_lens, max_blocks, device, before_forward=reset)
+    del out
     torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - base
+    return torch.cuda.max_memory_allocated(device) - base[0]
 
 
 def mixed_q_lens(config: EngineConfig, max_model_len: int) -> list[int]:
