@@ -181,10 +181,38 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
     )
     if push_rec is not None:
         rec.update(push_rec, workload=f"{name}+push")
-    del engine, runner, outs
+    del engine, runner
     gc.collect()
     torch.cuda.empty_cache()
+    if args.logprob_check and push is None:
+        rec["logprob_mean_abs_diff_vs_hf"] = logprob_check(hf, prompts, outs, args.logprob_check)
+    del outs
     return rec
+
+
+@torch.no_grad()
+def logprob_check(hf: torch.nn.Module, prompts: list, outs: list, samples: int) -> float:
+    """Mean |our logprob - HF bf16's| over the tokens of the first ``samples`` completions, teacher-forced
+    (T = 1 policy logprobs; logits in chunks so a 16K-token sample stays small)."""
+    diffs = []
+    done = 0
+    for prompt, o in zip(prompts, outs):
+        for c in o.outputs:
+            if done == samples:
+                break
+            ids = torch.tensor([prompt + c.token_ids], device="cuda")
+            hidden = hf.model(ids).last_hidden_state[0, len(prompt) - 1 : -1]
+            toks = torch.tensor(c.token_ids, device="cuda")
+            for i in range(0, len(toks), 2048):
+                lp = torch.log_softmax(hf.lm_head(hidden[i : i + 2048]).float(), -1)
+                ref = lp.gather(1, toks[i : i + 2048, None])[:, 0]
+                diffs.append((ref.cpu() - torch.tensor(c.logprobs[i : i + 2048])).abs())
+            done += 1
+    return round(torch.cat(diffs).mean().item(), 5)
+
+
+def with_kv(args: argparse.Namespace, kv: str) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "kv_cache_dtype": kv})
 
 
 def run_hf(hf: torch.nn.Module, w: dict, modes: list[str]) -> dict:
@@ -256,12 +284,18 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--new", type=int, default=None, help="override new tokens (smoke runs)")
     p.add_argument("--weight-push", action="store_true", help="also time update_weights of the workload's model")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "fp8"])
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="comma list of auto, bfloat16, float16, float32, fp8; the first is the main run, the others "
+                        "repeat --modes and carry vs_first_kv (tok/s over the first's, same mode)")
+    p.add_argument("--logprob-check", type=int, default=0, metavar="N",
+                   help="teacher-force the first N completions through HF's bf16 model: mean |dlogprob|")
     p.add_argument("--push-mid-run", action="store_true",
                    help="also run the workload (async) with one update_weights mid-run, recompute_running=True "
                         "and False; extra_wall_s is against the plain async run")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    kv_dtypes = args.kv_cache_dtype.split(",")
+    args.kv_cache_dtype = kv_dtypes[0]
     if not torch.cuda.is_available():
         sys.exit("bench.py needs a CUDA GPU")
     bw = copy_bandwidth_tbps()
@@ -289,6 +323,11 @@ def main() -> None:
                 r["vs_hf"] = round(r["tok_s"] / best, 3) if best else None
         if args.weight_push:
             recs.append(run_weight_push(hf, w["preset"]))
+        for kv in kv_dtypes[1:]:
+            for first in [r for r in recs if r.get("kv_cache_dtype") == kv_dtypes[0] and "push_ms" not in r]:
+                r = run_ours(name, w, hf, first["mode"], bw, with_kv(args, kv))
+                r["vs_first_kv"] = round(r["tok_s"] / first["tok_s"], 3)
+                recs.append(r)
         if args.push_mid_run:
             base = next((r for r in recs if r.get("mode") == "async" and "push_ms" not in r), None)
             for recompute in (True, False):
