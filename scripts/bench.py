@@ -107,6 +107,7 @@ def make_engine(hf: torch.nn.Module, w: dict, params: list[SamplingParams], mode
 
 def generate_with_push(engine: Engine, hf: torch.nn.Module, prompts: list, params: list, recompute: bool) -> tuple:
     """generate(), with one update_weights(recompute_running=...) once half the tokens are out (issue 13.5)."""
+    start = engine.get_stats().num_generated_tokens  # warm-up tokens
     half = sum(p.max_tokens * p.n for p in params) // 2
     rids = [engine.add_request(prompt, sp) for prompt, sp in zip(prompts, params)]
     weights = [(name, t.detach()) for name, t in hf.named_parameters()]
@@ -114,7 +115,7 @@ def generate_with_push(engine: Engine, hf: torch.nn.Module, prompts: list, param
     while engine.has_unfinished_requests():
         done.update((o.request_id, o) for o in engine.step())
         stats = engine.get_stats()
-        if push is None and stats.num_generated_tokens >= half:
+        if push is None and stats.num_generated_tokens - start >= half:
             kv_tokens = int(stats.kv_cache_usage * engine.kv.num_tokens)
             torch.cuda.synchronize()
             t = time.perf_counter()
@@ -122,7 +123,7 @@ def generate_with_push(engine: Engine, hf: torch.nn.Module, prompts: list, param
             torch.cuda.synchronize()
             push = dict(recompute_running=recompute, push_ms=round((time.perf_counter() - t) * 1e3, 1),
                         running_at_push=stats.num_running_seqs, live_kv_tokens_at_push=kv_tokens,
-                        generated_at_push=stats.num_generated_tokens)
+                        generated_at_push=stats.num_generated_tokens - start)
     return [done[r] for r in rids], push
 
 
