@@ -49,7 +49,7 @@ def test_32k_single_sequence_generation(kv):
     print(f"32K kv={kv}: mean |logprob diff| vs HF bf16 {diff.mean():.4f} (last 4K: {tail:.4f}), "
           f"capacity {eng.kv.num_tokens} tokens")
     assert torch.isfinite(torch.tensor(out.logprobs)).all()
-    assert diff.mean() < (0.02 if kv == "auto" else 0.05) and tail < (0.03 if kv == "auto" else 0.06)
+    assert diff.mean() < (0.03 if kv == "auto" else 0.08) and tail < (0.05 if kv == "auto" else 0.1)
 
 
 def test_explicit_num_blocks_must_leave_the_step_workspace():
