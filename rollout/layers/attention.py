@@ -32,9 +32,10 @@ def write_kv(
         flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
         return
     blk, off = slot_mapping // block_size, slot_mapping % block_size
+    raw = kv_cache.view(torch.uint8)  # indexing kernels for raw bytes exist on every device; fp8 ones may not
     for i, x in enumerate((k, v)):
         values, scales = quantize_fp8(x)
-        kv_cache[i, blk, off] = values
+        raw[i, blk, off] = values.view(torch.uint8)
         kv_scales[i, blk, off] = scales
 
 
@@ -46,11 +47,16 @@ def gather_kv(
     block_size = kv_cache.shape[2]
     nblk = (seq_len + block_size - 1) // block_size
     blocks = block_table[:nblk].long()
-    k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
-    v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
-    if kv_scales is not None:
-        k = dequantize_fp8(k, kv_scales[0, blocks].flatten(0, 1)[:seq_len])
-        v = dequantize_fp8(v, kv_scales[1, blocks].flatten(0, 1)[:seq_len])
+    if kv_scales is None:
+        k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
+        v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+        return k, v
+    raw = kv_cache.view(torch.uint8)
+    k, v = (
+        dequantize_fp8(raw[i, blocks].flatten(0, 1)[:seq_len].view(kv_cache.dtype),
+                       kv_scales[i, blocks].flatten(0, 1)[:seq_len])
+        for i in (0, 1)
+    )
     return k, v
 
 
