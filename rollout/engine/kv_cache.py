@@ -67,8 +67,8 @@ def fit_num_blocks(config: EngineConfig, free: int, total: int, workspace: int, 
 
 class KVCache:
     """Owns one tensor per engine: ``[layers, 2, num_blocks, block_size, Hkv, D]``, or for fp8 the raw
-    bytes ``[layers, 2, num_blocks, block_bytes]``; ``layers`` is the per-layer view list the runner
-    holds (cleared on release, refilled on allocate, so the runner's reference stays valid)."""
+    bytes ``[layers, 2, num_blocks, block_bytes]``. ``layers`` is the per-layer view list; runners hold
+    this object and read ``layers`` when they run, so release/allocate need no hand-back."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, device: torch.device,
                  dtype: torch.dtype, max_model_len: int) -> None:
@@ -134,14 +134,14 @@ class KVCache:
         if self.storage is not None:
             return
         self.storage = self._new_storage(self.num_blocks)
-        self.layers.extend(self.storage.unbind(0))
+        self.layers = list(self.storage.unbind(0))
 
     def release(self) -> int:
         """Free the memory; returns the bytes released."""
         if self.storage is None:
             return 0
         released = self.storage.numel() * self.storage.element_size()
-        self.layers.clear()
+        self.layers = []
         self.storage = None
         return released
 

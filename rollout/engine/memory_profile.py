@@ -19,9 +19,10 @@ from __future__ import annotations
 import torch
 
 from rollout.config import EngineConfig
+from rollout.engine.runner import forward_and_sample
 from rollout.layers.attention_metadata import AttentionMetadata
 from rollout.layers.backends import make_attention_backend
-from rollout.layers.sampler import MODE_POLICY, SamplingTensors, sample
+from rollout.layers.sampler import MODE_POLICY, SamplingTensors
 
 MARGIN_FRACTION = 0.05  # allocator fragmentation, per-stream cuBLAS workspaces, IO slots
 MARGIN_BYTES = 256 * 2**20
@@ -80,8 +81,7 @@ def dummy_step(model: torch.nn.Module, kv_caches: list[torch.Tensor], backend: o
     st = _sampling(len(q_lens), device)
     if before_forward is not None:
         before_forward()
-    hidden = model(ids, meta.positions, kv_caches, meta, backend)
-    return sample(model.compute_logits(hidden[last]), st)
+    return forward_and_sample(model, kv_caches, backend, ids, meta, last, st)  # the runners' own step
 
 
 def _step_peak(model: torch.nn.Module, kv_caches: list[torch.Tensor], backend: object, q_lens: list[int],
