@@ -7,12 +7,15 @@ Prefill (eager launches, ``triton.testing.do_bench``) is judged by causal TFLOP/
 
     python bench/kernels_bench.py                       # llama3-8b shape, B x ctx grid
     python bench/kernels_bench.py --preset qwen2.5-1.5b --sweep-splits --sweep-prefill
+    python bench/kernels_bench.py --preset qwen2.5-1.5b --lengths long-tail --batches 64,256,512 \
+        --ctxs 16384,32000 --kv bf16,fp8 --compare-legacy --no-prefill   # W2 shapes: before/after, fp8
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -24,15 +27,41 @@ ROTATE_BYTES = 512 * 2**20  # inputs per timed graph: several times the H200's 6
 PRESETS = {"llama3-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128), "qwen2.5-1.5b": (12, 2, 128)}
 
 
-def make_cache(batch: int, ctx: int, hkv: int, d: int, page: int, dtype: torch.dtype, seed: int = 0):
-    """A cache holding exactly ``batch`` contexts of ``ctx`` tokens, pages scattered at random."""
-    nblk = -(-ctx // page)
+def make_cache(batch: int, ctx: int, hkv: int, d: int, page: int, dtype: torch.dtype, seed: int = 0,
+               lens: list[int] | None = None, kv: str = "bf16"):
+    """A cache holding exactly ``batch`` contexts (``ctx`` tokens each, or ``lens``), pages scattered at
+    random. Returns (cache, tables, seq_lens, kv_scales); fp8: the value view and its scales."""
+    lens = lens or [ctx] * batch
+    nblk = [-(-n // page) for n in lens]
     gen = torch.Generator().manual_seed(seed)
-    pool = torch.randperm(batch * nblk + 1, generator=gen)[: batch * nblk]
-    tables = pool.view(batch, nblk).to("cuda", torch.int32)
-    cache = torch.empty(2, batch * nblk + 1, page, hkv, d, device="cuda", dtype=dtype).normal_()
-    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    return cache, tables, seq_lens
+    pool = torch.randperm(sum(nblk) + 1, generator=gen)
+    tables = torch.zeros(batch, max(nblk), dtype=torch.int32)
+    at = 0
+    for i, k in enumerate(nblk):
+        tables[i, :k] = pool[at : at + k]
+        at += k
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    if kv == "fp8":
+        from rollout.layers.kv_quant import fp8_block_bytes, fp8_views
+
+        raw = torch.empty(2, sum(nblk) + 1, fp8_block_bytes(page, hkv, d), dtype=torch.uint8, device="cuda")
+        values, scales = fp8_views(raw, hkv, d)
+        for i in range(2):
+            values[i].copy_(torch.randn(values.shape[1:], device="cuda").to(values.dtype))
+        scales.fill_(0.01)
+        return values, tables.cuda(), seq_lens, scales
+    cache = torch.empty(2, sum(nblk) + 1, page, hkv, d, device="cuda", dtype=dtype).normal_()
+    return cache, tables.cuda(), seq_lens, None
+
+
+def long_tail_lens(batch: int, ctx: int, seed: int, lo: int = 512) -> list[int]:
+    """W2-like live contexts: log-uniform in [lo, ctx] (a 512-token prompt plus a long-tailed
+    generation so far), the longest always present."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.rand(batch, generator=gen)
+    lens = torch.exp(math.log(lo) * (1 - u) + math.log(ctx) * u).long().tolist()
+    lens[0] = ctx
+    return lens
 
 
 def graph_ms(calls: list) -> float:
@@ -53,34 +82,61 @@ def graph_ms(calls: list) -> float:
     return do_bench(graph.replay, warmup=25, rep=100, return_mode="median") / len(calls)
 
 
-def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: torch.dtype) -> None:
-    from rollout.kernels.paged_decode import (
-        choose_num_splits,
-        decode_block_n,
-        num_sms,
-        paged_decode_attention,
-    )
+DECODE_CONFIGS = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 3), (64, 8, 3)]
 
-    kv_bytes = 2 * batch * ctx * hkv * d * (torch.finfo(dtype).bits // 8)
+
+def decode_variants(args, batch: int, hkv: int, max_tiles: int) -> list[dict]:
+    """What to time: the balanced partition (default), the previous fixed-split heuristic ("legacy"),
+    fixed split counts (--sweep-splits), tile configs and wave counts (--sweep-decode)."""
+    from rollout.kernels.paged_decode import choose_num_splits, choose_split_target, num_sms
+
+    sms = num_sms(torch.device("cuda"))
+    out = [dict(variant="balanced")]
+    if args.compare_legacy:
+        out.append(dict(variant="legacy", num_splits=choose_num_splits(batch, hkv, max_tiles, sms)))
+    if args.sweep_splits:
+        out += [dict(variant="fixed", num_splits=s) for s in (1, 2, 4, 8, 16, 32, 64)]
+    if args.sweep_decode:
+        out += [dict(variant="waves", split_target=choose_split_target(hkv, sms, w)) for w in (1, 2, 8, 16)]
+        out += [dict(variant="config", config=c) for c in DECODE_CONFIGS]
+    return out
+
+
+def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: torch.dtype, kv: str) -> None:
+    import rollout.kernels.paged_decode as pd
+
+    lens = long_tail_lens(batch, ctx, seed=batch) if args.lengths == "long-tail" else [ctx] * batch
+    fp8 = kv == "fp8"
+    token_bytes = 2 * hkv * (d + 2 if fp8 else d * (torch.finfo(dtype).bits // 8))  # K + V, scales included
+    kv_bytes = sum(lens) * token_bytes
     copies = max(1, min(64, -(-ROTATE_BYTES // kv_bytes)))
     inputs = []
     for i in range(copies):
-        cache, tables, seq_lens = make_cache(batch, ctx, hkv, d, args.page, dtype, seed=i)
+        cache, tables, seq_lens, scales = make_cache(batch, ctx, hkv, d, args.page, dtype, seed=i, lens=lens, kv=kv)
         q = torch.randn(batch, hq, d, device="cuda", dtype=dtype)
-        inputs.append((q, cache, tables, seq_lens, torch.empty_like(q)))
-    max_tiles = -(-inputs[0][2].shape[1] * args.page // decode_block_n(args.page, d))
-    auto = choose_num_splits(batch, hkv, max_tiles, num_sms(torch.device("cuda")))
-    for s in sorted({auto, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64}) if args.sweep_splits else [auto]:
-        calls = [
-            lambda s=s, x=x: paged_decode_attention(x[0], x[1], x[2], x[3], d**-0.5, out=x[4], num_splits=s)
-            for x in inputs
-        ]
-        ms = graph_ms(calls)
+        inputs.append((q, cache, tables, seq_lens, torch.empty_like(q), scales))
+    max_tiles = -(-inputs[0][2].shape[1] * args.page // pd.decode_config(args.page, d, inputs[0][1].dtype)[0])
+    default_config = pd.decode_config
+    for var in decode_variants(args, batch, hkv, max_tiles):
+        kw = {k: var[k] for k in ("num_splits", "split_target") if k in var}
+        if "config" in var:
+            pd.decode_config = lambda *_, c=var["config"]: c  # bench-only override of the tile choice
+        try:
+            calls = [
+                lambda x=x, kw=kw: pd.paged_decode_attention(
+                    x[0], x[1], x[2], x[3], d**-0.5, out=x[4], kv_scales=x[5], **kw
+                )
+                for x in inputs
+            ]
+            ms = graph_ms(calls)
+        finally:
+            pd.decode_config = default_config
         rec = {
-            "bench": "decode", "preset": args.preset, "dtype": str(dtype).removeprefix("torch."),
-            "B": batch, "ctx": ctx, "num_splits": s, "auto_splits": s == auto, "ms": round(ms, 4),
-            "kv_gib": round(kv_bytes / 2**30, 3), "gbps": round(kv_bytes / ms / 1e6, 1),
-            "graph_copies": copies,
+            "bench": "decode", "preset": args.preset, "dtype": str(dtype).removeprefix("torch."), "kv": kv,
+            "lengths": args.lengths, "B": batch, "ctx": ctx, "mean_ctx": round(sum(lens) / batch),
+            **{k: v for k, v in var.items() if k != "config"}, "config": var.get("config", default_config(
+                args.page, d, inputs[0][1].dtype)), "ms": round(ms, 4),
+            "kv_gib": round(kv_bytes / 2**30, 3), "gbps": round(kv_bytes / ms / 1e6, 1), "graph_copies": copies,
         }  # fmt: skip
         print(json.dumps(rec), flush=True)
 
@@ -100,7 +156,7 @@ def time_prefill(args, batch: int, q_len: int, prefix: int, hq: int, hkv: int, d
 
     import rollout.kernels.paged_prefill as pp
 
-    cache, tables, seq_lens = make_cache(batch, q_len + prefix, hkv, d, args.page, dtype)
+    cache, tables, seq_lens, _ = make_cache(batch, q_len + prefix, hkv, d, args.page, dtype)
     q = torch.randn(batch * q_len, hq, d, device="cuda", dtype=dtype)
     qsl = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * q_len
     visible = batch * (q_len * prefix + q_len * (q_len + 1) / 2)  # causal (query, key) pairs
@@ -130,6 +186,12 @@ def main() -> None:
     )
     parser.add_argument("--page", type=int, default=16)
     parser.add_argument("--sweep-splits", action="store_true", help="also time fixed num_splits values")
+    parser.add_argument("--compare-legacy", action="store_true",
+                        help="also time the previous scheme (one split count per batch size) on the same inputs")
+    parser.add_argument("--sweep-decode", action="store_true", help="also time decode tile configs and wave counts")
+    parser.add_argument("--lengths", choices=["uniform", "long-tail"], default="uniform",
+                        help="every context ctx tokens, or W2-like log-uniform in [512, ctx]")
+    parser.add_argument("--kv", default="bf16", help="comma list of bf16, fp8 (cache types to time decode with)")
     parser.add_argument("--sweep-prefill", action="store_true", help="time several prefill tile configs")
     parser.add_argument("--no-prefill", action="store_true")
     args = parser.parse_args()
@@ -144,10 +206,11 @@ def main() -> None:
         "triton": triton.__version__, "preset": args.preset, "hq": hq, "hkv": hkv, "head_dim": d,
     }  # fmt: skip
     print(json.dumps(header), flush=True)
-    for batch in args.batches:
-        for ctx in args.ctxs:
-            time_decode(args, batch, ctx, hq, hkv, d, dtype)
-            torch.cuda.empty_cache()
+    for kv in args.kv.split(","):
+        for batch in args.batches:
+            for ctx in args.ctxs:
+                time_decode(args, batch, ctx, hq, hkv, d, dtype, kv)
+                torch.cuda.empty_cache()
     if not args.no_prefill:  # (sequences, new tokens each, cached prefix each)
         for batch, q_len, prefix in [(1, 4096, 0), (4, 2048, 0), (8, 512, 4096), (1, 8192, 0)]:
             time_prefill(args, batch, q_len, prefix, hq, hkv, d, dtype)

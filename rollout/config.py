@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8")  # "auto" = the model's dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +22,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # None = on for CUDA
     max_graph_batch_size: int = 256
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"  # "fp8": e4m3 with a scale per (token, kv head), ~1.97x bf16's tokens
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -43,6 +45,12 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8" and self.attention_backend == "flash_attn":
+            raise ValueError(
+                "kv_cache_dtype='fp8' needs attention_backend 'triton', 'torch' or 'auto', not 'flash_attn'"
             )
         for name in ("enable_prefix_caching", "async_mode", "cuda_graphs"):
             value = getattr(self, name)

@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from rollout import Engine, SamplingParams  # noqa: E402
+from rollout.engine.kv_cache import KVCacheTooLarge  # noqa: E402
 
 PRESETS = {  # public config shapes, random weights
     "llama3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -45,6 +46,8 @@ WORKLOADS = {
     "W1-short": dict(preset="llama3-8b", prompts=32, prompt_len=128, new=1024),
     "W2": dict(preset="qwen2.5-1.5b", prompts=64, prompt_len=512, new=16384, n=8),
     "W3": dict(preset="qwen3-0.6b", prompts=256, prompt_len=128, new=1024),
+    # 512 + 32000 + 16 stays within qwen2.5-1.5b's 32768 positions
+    "W2-32K": dict(preset="qwen2.5-1.5b", prompts=64, prompt_len=512, new=32000, n=8),
 }
 
 
@@ -103,14 +106,48 @@ def make_prompts(w: dict, vocab: int, sampling: str = "greedy") -> tuple[list[li
     return prompts, params
 
 
-def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args: argparse.Namespace) -> dict:
+def make_engine(hf: torch.nn.Module, w: dict, params: list[SamplingParams], mode: str,
+                args: argparse.Namespace) -> Engine:
+    """Blocks for every sequence at full length (+10%), or the most that fit beside the step's workspace."""
+    n = w.get("n", 1)
+    blocks = int(sum(-(-(w["prompt_len"] + p.max_tokens) // 16) * n for p in params) * 1.1) + 64
+    opts = dict(dtype="bfloat16", max_model_len=w["prompt_len"] + w["new"] + 16, max_num_seqs=args.max_num_seqs,
+                async_mode=(mode == "async"), kv_cache_dtype=args.kv_cache_dtype)
+    try:
+        return Engine.from_pretrained(hf, num_blocks=blocks, **opts)
+    except KVCacheTooLarge as e:
+        print(f"num_blocks {blocks} does not fit; using {e.max_num_blocks}", flush=True)
+        return Engine.from_pretrained(hf, num_blocks=e.max_num_blocks, **opts)
+
+
+def generate_with_push(engine: Engine, hf: torch.nn.Module, prompts: list, params: list, recompute: bool) -> tuple:
+    """generate(), with one update_weights(recompute_running=...) once half the tokens are out (issue 13.5)."""
+    start = engine.get_stats().num_generated_tokens  # warm-up tokens
+    half = sum(p.max_tokens * p.n for p in params) // 2
+    rids = [engine.add_request(prompt, sp) for prompt, sp in zip(prompts, params)]
+    weights = [(name, t.detach()) for name, t in hf.named_parameters()]
+    done, push = {}, None
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step())
+        stats = engine.get_stats()
+        if push is None and stats.num_generated_tokens - start >= half:
+            kv_tokens = int(stats.kv_cache_usage * engine.kv.num_tokens)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            engine.update_weights(weights, recompute_running=recompute)
+            torch.cuda.synchronize()
+            push = dict(recompute_running=recompute, push_ms=round((time.perf_counter() - t) * 1e3, 1),
+                        running_at_push=stats.num_running_seqs, live_kv_tokens_at_push=kv_tokens,
+                        generated_at_push=stats.num_generated_tokens - start)
+    return [done[r] for r in rids], push
+
+
+def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args: argparse.Namespace,
+             push: bool | None = None) -> dict:
     sampling = sampling_of(w, args)
     prompts, params = make_prompts(w, hf.config.vocab_size, sampling)
     n = w.get("n", 1)
-    max_len = w["prompt_len"] + w["new"] + 16
-    blocks = int(sum(-(-(w["prompt_len"] + p.max_tokens) // 16) * n for p in params) * 1.1) + 64
-    engine = Engine.from_pretrained(hf, dtype="bfloat16", max_model_len=max_len, num_blocks=blocks,
-                                    max_num_seqs=args.max_num_seqs, async_mode=(mode == "async"))
+    engine = make_engine(hf, w, params, mode, args)
     engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     # Warm (capture) every decode graph size the run will meet, so capture time stays out of the timing.
     runner = engine.runner
@@ -125,14 +162,18 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, params)
+    if push is None:
+        outs, push_rec = engine.generate(prompts, params), None
+    else:
+        outs, push_rec = generate_with_push(engine, hf, prompts, params, push)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     m = engine.model
     weight_bytes = m.weight_bytes_per_step()  # an untied input embedding is gathered, not read whole
-    kv_token_bytes = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2
+    kv_token_bytes = engine.kv.token_bytes  # fp8: values + scales
     dec = [r for r in runner.clock.records if r.decode]
+    pre = [r for r in runner.clock.records if not r.decode]
     floor_s = sum((weight_bytes + r.kv_tokens * kv_token_bytes) / (bw * 1e12) for r in dec)
     dec_s = sum(r.compute_ms for r in dec) / 1e3
     busy = sum(r.compute_ms for r in runner.clock.records) / 1e3 / wall
@@ -149,11 +190,47 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
         peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
         copy_bw_tbps=round(bw, 3), device=torch.cuda.get_device_name(), commit=_commit(),
         attention_backend=engine.attn_backend.name, cuda_graphs=runner.cuda_graphs,
+        kv_cache_dtype=args.kv_cache_dtype, kv_capacity_tokens=engine.kv.num_tokens,
+        kv_workspace_gib=round(engine.kv.workspace_bytes / 2**30, 2),
+        preemptions=engine.get_stats().num_preemptions, prefill_steps=len(pre),
+        prefill_compute_s=round(sum(r.compute_ms for r in pre) / 1e3, 3),
+        max_len_reached=max(len(c.token_ids) for o in outs for c in o.outputs),
+        truncated=sum(len(c.token_ids) < sp.max_tokens for o, sp in zip(outs, params) for c in o.outputs),
     )
-    del engine, runner, outs
+    if push_rec is not None:
+        rec.update(push_rec, workload=f"{name}+push")
+    del engine, runner
     gc.collect()
     torch.cuda.empty_cache()
+    if args.logprob_check and push is None:
+        rec["logprob_mean_abs_diff_vs_hf"] = logprob_check(hf, prompts, outs, args.logprob_check)
+    del outs
     return rec
+
+
+@torch.no_grad()
+def logprob_check(hf: torch.nn.Module, prompts: list, outs: list, samples: int) -> float:
+    """Mean |our logprob - HF bf16's| over the tokens of the first ``samples`` completions, teacher-forced
+    (T = 1 policy logprobs; logits in chunks so a 16K-token sample stays small)."""
+    diffs = []
+    done = 0
+    for prompt, o in zip(prompts, outs):
+        for c in o.outputs:
+            if done == samples:
+                break
+            ids = torch.tensor([prompt + c.token_ids], device="cuda")
+            hidden = hf.model(ids).last_hidden_state[0, len(prompt) - 1 : -1]
+            toks = torch.tensor(c.token_ids, device="cuda")
+            for i in range(0, len(toks), 2048):
+                lp = torch.log_softmax(hf.lm_head(hidden[i : i + 2048]).float(), -1)
+                ref = lp.gather(1, toks[i : i + 2048, None])[:, 0]
+                diffs.append((ref.cpu() - torch.tensor(c.logprobs[i : i + 2048])).abs())
+            done += 1
+    return round(torch.cat(diffs).mean().item(), 5)
+
+
+def with_kv(args: argparse.Namespace, kv: str) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "kv_cache_dtype": kv})
 
 
 def run_hf(hf: torch.nn.Module, w: dict, modes: list[str]) -> dict:
@@ -230,8 +307,18 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--new", type=int, default=None, help="override new tokens (smoke runs)")
     p.add_argument("--weight-push", action="store_true", help="also time update_weights of the workload's model")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="comma list of auto, bfloat16, float16, float32, fp8; the first is the main run, the others "
+                        "repeat --modes and carry vs_first_kv (tok/s over the first's, same mode)")
+    p.add_argument("--logprob-check", type=int, default=0, metavar="N",
+                   help="teacher-force the first N completions through HF's bf16 model: mean |dlogprob|")
+    p.add_argument("--push-mid-run", action="store_true",
+                   help="also run the workload (async) with one update_weights mid-run, recompute_running=True "
+                        "and False; extra_wall_s is against the plain async run")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    kv_dtypes = args.kv_cache_dtype.split(",")
+    args.kv_cache_dtype = kv_dtypes[0]
     if not torch.cuda.is_available():
         sys.exit("bench.py needs a CUDA GPU")
     bw = copy_bandwidth_tbps()
@@ -259,6 +346,19 @@ def main() -> None:
                 r["vs_hf"] = round(r["tok_s"] / best, 3) if best else None
         if args.weight_push:
             recs.append(run_weight_push(hf, w["preset"]))
+        for kv in kv_dtypes[1:]:
+            for first in [r for r in recs if r.get("kv_cache_dtype") == kv_dtypes[0] and "push_ms" not in r]:
+                r = run_ours(name, w, hf, first["mode"], bw, with_kv(args, kv))
+                r["vs_first_kv"] = round(r["tok_s"] / first["tok_s"], 3)
+                recs.append(r)
+        if args.push_mid_run:
+            base = next((r for r in recs if r.get("mode") == "async" and "push_ms" not in r), None)
+            for recompute in (True, False):
+                r = run_ours(name, w, hf, "async", bw, args, push=recompute)
+                if base is not None:
+                    r["extra_wall_s"] = round(r["wall_s"] - base["wall_s"], 3)
+                    r["extra_prefill_compute_s"] = round(r["prefill_compute_s"] - base["prefill_compute_s"], 3)
+                recs.append(r)
         for r in recs:
             line = json.dumps(r)
             print(line, flush=True)

@@ -60,13 +60,38 @@ def assert_close(out, ref, tol):
     assert err <= tol, f"max abs error {err:.3g} > {tol}"
 
 
-def check_decode(hq, hkv, d, page, seq_lens, window=None, splits=None, dtype=torch.float32, tol=1e-4):
+def check_decode(hq, hkv, d, page, seq_lens, window=None, splits=None, dtype=torch.float32, tol=1e-4,
+                 q_dtype=None, **balance):
+    """``balance``: split_target / min_chunk for the balanced partition (small values force many chunks)."""
     from rollout.kernels.paged_decode import paged_decode_attention
 
     q, cache, meta = scenario([1] * len(seq_lens), seq_lens, hq, hkv, d, page, dtype)
+    if q_dtype is not None:
+        q = q.to(q_dtype)
     ref = reference_attention(q, cache, meta, SCALE, window)
-    out = paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, window, num_splits=splits)
+    out = paged_decode_attention(
+        q, cache, meta.block_tables, meta.seq_lens, SCALE, window, num_splits=splits, **balance
+    )
     assert_close(out, ref, tol)
+
+
+def long_tail(n, max_len, seed):
+    """RL-like lengths: log-uniform in [1, max_len], the longest always present."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.exp(torch.rand(n, generator=gen) * torch.log(torch.tensor(float(max_len)))).long().tolist()
+    lens[n // 2] = max_len
+    return lens
+
+
+def check_decode_many_seqs_small_scan():
+    """More sequences than one step of the in-kernel prefix sum (SCAN shrunk to 8)."""
+    import rollout.kernels.paged_decode as pd
+
+    old, pd.SCAN = pd.SCAN, 8
+    try:
+        check_decode(2, 1, 16, 8, long_tail(19, 300, 3), split_target=40, min_chunk=1)
+    finally:
+        pd.SCAN = old
 
 
 def check_prefill(q_lens, seq_lens, hq, hkv, d, page, window=None, bm=16, bn=16, tol=1e-4):
@@ -90,9 +115,10 @@ def check_decode_empty_and_strided():
     qkv = torch.randn(3, 8, 16)
     qkv[:, :4] = q0
     out = torch.full((3, 2, 4, 16), 7.0)[:, 1]
-    for splits in (1, 4):
+    for splits, target in ((1, None), (4, None), (None, 3), (None, None)):
         res = paged_decode_attention(
-            qkv[:, :4], cache, meta.block_tables, meta.seq_lens, SCALE, None, out, splits
+            qkv[:, :4], cache, meta.block_tables, meta.seq_lens, SCALE, None, out, splits,
+            split_target=target, min_chunk=1,
         )
         assert res.data_ptr() == out.data_ptr()
         assert torch.equal(out[0], torch.zeros(4, 16)), "empty sequence must give zeros"
@@ -164,13 +190,21 @@ def check_num_splits():
     assert choose_num_splits(1, 1, 10_000, 132) == 128  # capped
 
 
+def check_split_target():
+    from rollout.kernels.paged_decode import choose_split_target
+
+    assert choose_split_target(2, 132) == 4 * 4 * 132 // 2  # qwen2.5-1.5b on the H200: 1056 chunks per kv head
+    assert choose_split_target(8, 132) == 264
+    assert choose_split_target(64, 1) == 1
+
+
 def check_errors():
     from rollout.kernels.paged_decode import paged_decode_attention
 
     q, cache, meta = scenario([1, 1], [5, 9], 4, 2, 16, 8)
     args = (meta.block_tables, meta.seq_lens, SCALE)
     bad = [
-        (TypeError, lambda: paged_decode_attention(q.half(), cache, *args)),
+        (TypeError, lambda: paged_decode_attention(q.to(torch.int32), cache, *args)),
         (ValueError, lambda: paged_decode_attention(q[:, :3], cache, *args)),  # 3 heads vs 2 kv heads
         (ValueError, lambda: paged_decode_attention(q, cache, *args, sliding_window=0)),
         (ValueError, lambda: paged_decode_attention(q[:1], cache, *args)),
@@ -190,6 +224,18 @@ CHECKS = {
     "decode_window": lambda: check_decode(4, 2, 16, 8, [1, 19, 20, 21, 90], window=20, splits=2),
     "decode_window_1_split": lambda: check_decode(4, 2, 16, 16, [1, 19, 20, 21, 90], window=20, splits=1),
     "decode_fp16": lambda: check_decode(4, 2, 32, 16, [7, 60], dtype=torch.float16, splits=2, tol=1e-2),
+    "decode_fp32_q_fp16_cache": lambda: check_decode(4, 2, 32, 16, [7, 300], dtype=torch.float16,
+                                                     q_dtype=torch.float32, split_target=4, min_chunk=1),
+    "decode_balanced_long_tail": lambda: check_decode(4, 2, 16, 16, long_tail(24, 2000, 1), split_target=24,
+                                                      min_chunk=1),
+    "decode_balanced_default_long_context": lambda: check_decode(4, 2, 16, 16, [5000, 3, 700]),
+    "decode_balanced_window": lambda: check_decode(4, 2, 16, 8, [1, 19, 20, 21, 900], window=150,
+                                                   split_target=16, min_chunk=1),
+    "decode_balanced_gqa6": lambda: check_decode(12, 2, 16, 16, long_tail(9, 1500, 2), split_target=12),
+    "decode_balanced_gqa8_one_kv_head": lambda: check_decode(8, 1, 16, 8, long_tail(7, 1200, 4),
+                                                             split_target=10, min_chunk=1),
+    "decode_one_head": lambda: check_decode(1, 1, 16, 8, [1, 300, 64], split_target=5, min_chunk=1),
+    "decode_many_seqs_small_scan": check_decode_many_seqs_small_scan,
     "decode_empty_seq_strided_q_out": check_decode_empty_and_strided,
     "prefill_mixed_cached_prefix": lambda: check_prefill(
         [1, 17, 5, 40, 3], [9, 17, 70, 100, 3], 4, 2, 32, 16
@@ -203,6 +249,7 @@ CHECKS = {
     "backend_decode": lambda: check_backend([1, 1, 1], [4, 17, 33]),
     "backend_prefill_window": lambda: check_backend([3, 1, 20], [10, 17, 20], window=9),
     "num_splits_heuristic": check_num_splits,
+    "split_target": check_split_target,
     "argument_errors": check_errors,
 }
 

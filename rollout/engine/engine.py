@@ -50,7 +50,8 @@ class Engine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
                              f"{limit}; allowed: 1 .. {limit}")
         self.max_model_len = config.max_model_len or limit
-        self.attn_backend = make_attention_backend(config.attention_backend, device, config.block_size)
+        self.attn_backend = make_attention_backend(config.attention_backend, device, config.block_size,
+                                                   config.kv_cache_dtype)
         self.kv = KVCache(model, config, device, self.dtype, self.max_model_len)
         self.num_blocks = self.kv.num_blocks
         self.async_mode = (device.type == "cuda") if config.async_mode is None else config.async_mode

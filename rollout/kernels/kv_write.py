@@ -2,6 +2,8 @@
 
 The torch path (two ``index_copy_`` calls plus a boolean filter for padding slots) needs a host
 sync to drop ``-1`` slots; this kernel skips them on the device, so it can run inside a CUDA graph.
+For an fp8 cache it also quantizes: each (token, kv head) row of ``head_dim`` values gets the scale
+amax / 448 (stored as float16), so its largest value maps to e4m3's largest and nothing saturates.
 """
 
 from __future__ import annotations
@@ -10,13 +12,33 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.kernels.paged_common import check_kv_scales, is_fp8, round_to_e4m3, scale_args
+
+
+@triton.jit
+def _store_rows(x, c_ptr, cs_ptr, dst, s_dst, mask, h_ok, KV_FP8: tl.constexpr):
+    """Rows x [H_PAD, D] -> the cache at ``dst``; fp8: quantized, with their scales at ``s_dst``."""
+    if KV_FP8:
+        xf = x.to(tl.float32)
+        amax = tl.max(tl.abs(xf), 1)
+        # amax / 448, at least 2^-24 (paged_common.FP8_MAX, SCALE_MIN); IEEE division like torch's
+        sc = tl.maximum(tl.math.div_rn(amax, 448.0), 5.960464477539063e-08).to(tl.float16)
+        y = tl.math.div_rn(xf, sc.to(tl.float32)[:, None])
+        y = round_to_e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0))
+        tl.store(c_ptr + dst, y.to(c_ptr.dtype.element_ty), mask=mask)
+        tl.store(cs_ptr + s_dst, sc, mask=h_ok)
+    else:
+        tl.store(c_ptr + dst, x.to(c_ptr.dtype.element_ty), mask=mask)
+
 
 @triton.jit
 def _kv_write_kernel(
-    k_ptr, v_ptr, ck_ptr, cv_ptr, slot_ptr,
+    k_ptr, v_ptr, ck_ptr, cv_ptr, cks_ptr, cvs_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
+    stride_sb, stride_ss,
     NUM_KV_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -24,20 +46,26 @@ def _kv_write_kernel(
         return
     offs_h = tl.arange(0, H_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    mask = (offs_h < NUM_KV_HEADS)[:, None]
-    dst = (
-        (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
-    )
+    h_ok = offs_h < NUM_KV_HEADS
+    mask = h_ok[:, None]
+    blk, off = slot // PAGE, slot % PAGE
+    dst = blk * stride_cb + off * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
+    s_dst = blk * stride_sb + off * stride_ss + offs_h
     k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    tl.store(ck_ptr + dst, k.to(ck_ptr.dtype.element_ty), mask=mask)
+    _store_rows(k, ck_ptr, cks_ptr, dst, s_dst, mask, h_ok, KV_FP8)
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    tl.store(cv_ptr + dst, v.to(cv_ptr.dtype.element_ty), mask=mask)
+    _store_rows(v, cv_ptr, cvs_ptr, dst, s_dst, mask, h_ok, KV_FP8)
 
 
 def write_kv_triton(
-    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    kv_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """Same contract as ``rollout.layers.attention.write_kv``: k, v [T, Hkv, D]; slots < 0 skipped."""
+    """Same contract as ``rollout.layers.attention.write_kv``: k, v [T, Hkv, D]; slots < 0 skipped.
+    An fp8 ``kv_cache`` (the value view) comes with its ``kv_scales`` view."""
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(f"kv_cache must be [2, num_blocks, block_size, Hkv, D]; got {tuple(kv_cache.shape)}")
     _, _, page, hkv, d = kv_cache.shape
@@ -49,12 +77,14 @@ def write_kv_triton(
         raise ValueError(f"head_dim ({d}) and block_size ({page}) must be powers of two")
     if k.stride(2) != 1 or v.stride(2) != 1 or kv_cache.stride(4) != 1:
         raise ValueError("k, v and kv_cache must have a contiguous last (head_dim) axis")
+    check_kv_scales(kv_cache, kv_scales)
     if k.shape[0] == 0:
         return
     _kv_write_kernel[(k.shape[0],)](
-        k, v, kv_cache[0], kv_cache[1], slot_mapping,
+        k, v, kv_cache[0], kv_cache[1], *scale_args(kv_cache, kv_scales)[:2], slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        *scale_args(kv_cache, kv_scales)[2:],
         NUM_KV_HEADS=hkv, H_PAD=triton.next_power_of_2(hkv), HEAD_DIM=d, PAGE=page,
-        num_warps=1 if hkv * d <= 1024 else 4,
+        KV_FP8=is_fp8(kv_cache.dtype), num_warps=1 if hkv * d <= 1024 else 4,
     )  # fmt: skip

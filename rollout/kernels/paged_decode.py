@@ -1,13 +1,26 @@
 """Split-KV ("flash-decoding") paged attention for decode steps: one new token per sequence.
 
-Decode is bound by HBM bandwidth: every step reads each sequence's whole K/V once. So one program
-owns one (sequence, kv head, split) and serves *all* query heads of that kv head at once (GQA: the
-[g, D] query block times the K tile is a small matrix product), which reads each KV byte once. Small
-batches do not fill the GPU with B * Hkv programs, so the context is cut into ``num_splits`` slices
-whose partial (out, log-sum-exp) pairs a second tiny kernel merges.
+Decode is bound by HBM bandwidth: every step reads each sequence's whole K/V once, so the kernel's job
+is to keep every SM streaming until the last byte. Three choices do that:
 
-CUDA-graph safe: nothing reads tensor values on the host and every buffer's size comes from static
-shapes (batch, heads, ``block_tables.shape[1]``), never from ``seq_lens``.
+* GQA packing: one program owns one (work item, kv head) and serves *all* g query heads of that kv
+  head as a [g, D] tile (the g x BLOCK_N scores are one small matrix product), so each KV byte is
+  read once per step, not g times.
+* Work balanced over the *live* context lengths: RL batches are long-tailed (W2: hundreds of
+  sequences, 256 to 16K tokens), and one program per sequence leaves the GPU waiting on the longest.
+  Each program instead takes a chunk of at most ``c`` key tiles of one sequence, where
+  ``c = max(min_chunk, ceil(total live tiles / split_target))``; a sequence of t tiles gets
+  ``ceil(t / c)`` equal chunks. Every program works out ``c`` and its own (sequence, chunk) from
+  ``seq_lens`` on the device (a prefix sum over the batch, a few hundred ints from L2), so the
+  partition follows the live lengths step by step while the grid stays fixed.
+* A fixed grid of ``batch + split_target`` programs per kv head bounds the chunk count (the sum of
+  ceil(t_b / c) is below total / c + batch), so buffers and grid depend only on the batch size: a
+  CUDA graph captured per batch size replays correctly for any context lengths (nothing is decided
+  on the host, nothing is bucketed). ``split_target`` defaults to a few waves of resident programs,
+  so the GPU's block scheduler balances chunks dynamically and the last wave is short.
+
+A sequence cut into one chunk writes its output directly; the others write fp32 partial (out,
+log-sum-exp) pairs that a small second kernel merges, and it skips unsplit sequences at once.
 """
 
 from __future__ import annotations
@@ -16,39 +29,90 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-MAX_SPLITS = 128
+from rollout.kernels.paged_common import (  # noqa: F401 - re-exported for callers of the old home
+    LOG2E,
+    check_paged_inputs,
+    check_window,
+    dot_precision,
+    is_fp8,
+    scale_args,
+)
+
 # Resident decode programs per SM on the H200 (bf16, head_dim 128, 4 warps, 2 stages), as inferred
-# from the split sweep: going past one such wave leaves a partial second wave that cost up to 25%.
+# from the split sweep of the previous, per-batch split heuristic (bench/results/kernels_*_h200.jsonl).
 PROGRAMS_PER_SM = 4
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DECODE_WAVES = 4  # split_target = this many waves of resident programs (per kv head's share)
+MIN_CHUNK_TILES = 2  # below ~128 keys a chunk's partial write and merge cost more than they balance
+MAX_SPLITS = 128  # old fixed-split heuristic's cap (bench A/B only)
+SCAN = 256  # sequences per step of the in-kernel prefix sum
+S_BLOCK = 16  # partials merged per step of the reduce loop
+
+
+@triton.jit
+def _tile_range(seq_len, window, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """Key tiles [lo, hi) holding a visible key of the query at position seq_len - 1."""
+    lo = seq_len * 0
+    if USE_WINDOW:  # the query sees keys in (pos - window, pos]
+        lo = tl.maximum(seq_len - window, 0) // BLOCK_N
+    return lo, (seq_len + BLOCK_N - 1) // BLOCK_N
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    qk_scale, window,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, seq_info_ptr,
+    qk_scale, window, batch, split_target, min_chunk,
     stride_qt, stride_qh,
     stride_cb, stride_cs, stride_ch,
+    stride_sb, stride_ss,
     stride_bt,
     stride_ot, stride_oh,
-    stride_pb, stride_ph, stride_ps,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, FIXED_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_PREC: tl.constexpr, SCAN_N: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
+    pid = tl.program_id(0)
     kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
+    if FIXED_SPLITS > 0:  # bench A/B and tests: every sequence in exactly FIXED_SPLITS chunks
+        b = pid // FIXED_SPLITS
+        n = FIXED_SPLITS + b * 0
+        first = b * FIXED_SPLITS
+        seq_len = tl.load(seq_lens_ptr + b)
+    else:
+        offs = tl.arange(0, SCAN_N)
+        total = 0
+        for i in range(0, batch, SCAN_N):
+            lens = tl.load(seq_lens_ptr + i + offs, mask=i + offs < batch, other=0)
+            lo_v, hi_v = _tile_range(lens, window, BLOCK_N, USE_WINDOW)
+            total += tl.sum(hi_v - lo_v, 0)
+        chunk = tl.maximum((total + split_target - 1) // split_target, min_chunk)
+        # This program's sequence: the one whose run of chunks [cum - n_b, cum) contains pid.
+        base = 0
+        b = 0
+        first = 0
+        n = 0
+        seq_len = 0
+        for i in range(0, batch, SCAN_N):
+            ok = i + offs < batch
+            lens = tl.load(seq_lens_ptr + i + offs, mask=ok, other=0)
+            lo_v, hi_v = _tile_range(lens, window, BLOCK_N, USE_WINDOW)
+            n_v = tl.where(ok, tl.maximum((hi_v - lo_v + chunk - 1) // chunk, 1), 0)
+            cum = tl.cumsum(n_v, 0) + base
+            hit = ok & (cum > pid) & (cum - n_v <= pid)
+            b += tl.sum(tl.where(hit, i + offs, 0), 0)
+            first += tl.sum(tl.where(hit, cum - n_v, 0), 0)
+            n += tl.sum(tl.where(hit, n_v, 0), 0)
+            seq_len += tl.sum(tl.where(hit, lens, 0), 0)
+            base += tl.sum(n_v, 0)
+        if n == 0:  # more programs than chunks this step
+            return
+    j = pid - first
+    lo, hi = _tile_range(seq_len, window, BLOCK_N, USE_WINDOW)
+    per = (hi - lo + n - 1) // n
+    t0 = lo + j * per
+    t1 = tl.minimum(t0 + per, hi)
     start = 0
-    if USE_WINDOW:  # the one query sits at position seq_len - 1 and sees keys in (pos - window, pos]
+    if USE_WINDOW:
         start = tl.maximum(seq_len - window, 0)
-    # Work is dealt in whole BLOCK_N tiles; every tile in [tile_lo, tile_hi) holds a visible key.
-    tile_lo = start // BLOCK_N
-    tile_hi = tl.cdiv(seq_len, BLOCK_N)
-    per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
-    t0 = tile_lo + split * per_split
-    t1 = tl.minimum(t0 + per_split, tile_hi)
 
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -58,94 +122,83 @@ def _decode_split_kernel(
     q = tl.load(
         q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=g_ok[:, None], other=0.0
     )
-
     m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile cannot make NaNs
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
-    bt_row = bt_ptr + b * stride_bt
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     for t in range(t0, t1):
         pos = t * BLOCK_N + offs_n
         ok = (pos < seq_len) & (pos >= start)
         blk = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
         off = blk * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch
-        k = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # log2 domain
+        k = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if KV_FP8:  # per-key scale: scaling the score columns is the same as scaling K's rows
+            s_off = blk * stride_sb + (pos % PAGE) * stride_ss + kvh
+            k_sc = tl.load(ks_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
+            s = s * (k_sc * qk_scale)[None, :]
+        else:
+            s = s * qk_scale  # log2 domain
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        v = tl.load(v_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+        if KV_FP8:
+            v_sc = tl.load(vs_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
+            pv = (p * v_sc[None, :]).to(q.dtype)
+        else:
+            pv = p.to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
         m_i = m_new
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
+    if n == 1:
         o_ptrs = out_ptr + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
     else:
-        base = b * stride_pb + heads * stride_ph + split * stride_ps
-        tl.store(part_o_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_ok[:, None])
+        row = pid.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads  # [programs, Hq] partials
+        tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_ok[:, None])
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + base, lse, mask=g_ok)
+        tl.store(part_lse_ptr + row, lse, mask=g_ok)
+    if (j == 0) & (kvh == 0):  # where the merge finds this sequence's chunks
+        tl.store(seq_info_ptr + 2 * b, first)
+        tl.store(seq_info_ptr + 2 * b + 1, n)
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr,
-    stride_pb, stride_ph, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    part_o_ptr, part_lse_ptr, seq_info_ptr, out_ptr, num_heads,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, S_BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
-    offs_s = tl.arange(0, S_PAD)
+    n = tl.load(seq_info_ptr + 2 * b + 1)
+    if n <= 1:  # written directly by its only chunk
+        return
+    first = tl.load(seq_info_ptr + 2 * b)
+    offs_s = tl.arange(0, S_BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    s_ok = offs_s < NUM_SPLITS
-    base = b * stride_pb + h * stride_ph + offs_s  # stride over splits is 1
-    lse = tl.load(part_lse_ptr + base, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # empty sequence: every weight is exp2(-inf) = 0
-    w = tl.exp2(lse - m)
-    denom = tl.sum(w, 0)
-    o = tl.load(part_o_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    res = tl.sum(o * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
+    m = float("-inf")
+    den = 0.0
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for s0 in range(0, n, S_BLOCK_N):
+        s_ok = s0 + offs_s < n
+        row = (first + s0 + offs_s).to(tl.int64) * num_heads + h
+        lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: weights exp2(-inf) = 0
+        alpha = tl.exp2(m - m_ref)
+        w = tl.exp2(lse - m_ref)
+        o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        den = den * alpha + tl.sum(w, 0)
+        m = m_new
+    res = acc / tl.where(den > 0.0, den, 1.0)
     tl.store(out_ptr + b * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty))
-
-
-def check_paged_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor) -> None:
-    """Shape/dtype checks shared by the paged kernels; errors name the bad value and what is allowed."""
-    if q.dtype not in _DTYPES or kv_cache.dtype != q.dtype:
-        raise TypeError(f"q dtype {q.dtype} and kv_cache dtype {kv_cache.dtype} must match, one of {_DTYPES}")
-    if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(
-            f"q must be [T, Hq, D] and kv_cache [2, num_blocks, block_size, Hkv, D]; got {tuple(q.shape)} "
-            f"and {tuple(kv_cache.shape)}"
-        )
-    _, _, page, hkv, d = kv_cache.shape
-    if q.shape[2] != d or d < 16 or d & (d - 1):
-        raise ValueError(
-            f"head_dim must be a power of two >= 16 and equal in q and kv_cache; got {q.shape[2]}, {d}"
-        )
-    if page < 8 or page & (page - 1):
-        raise ValueError(f"block_size must be a power of two >= 8; got {page}")
-    if q.shape[1] % hkv:
-        raise ValueError(f"num q heads {q.shape[1]} must be a multiple of num kv heads {hkv}")
-    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
-        raise TypeError(
-            f"block_tables must be a 2-D int32 tensor; got {block_tables.dtype} {tuple(block_tables.shape)}"
-        )
-    if q.stride(2) != 1 or kv_cache.stride(4) != 1:
-        raise ValueError("q and kv_cache must have a contiguous last (head_dim) axis")
-
-
-def check_window(sliding_window: int | None) -> int:
-    """Kernel form of the window: 0 = none."""
-    if sliding_window is None:
-        return 0
-    if sliding_window < 1:
-        raise ValueError(f"sliding_window must be None or >= 1; got {sliding_window}")
-    return int(sliding_window)
 
 
 def num_sms(device: torch.device) -> int:
@@ -155,21 +208,29 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_tiles: int, sms: int) -> int:
-    """Splits per (sequence, kv head): as many as fit in one wave of PROGRAMS_PER_SM programs per SM.
+def choose_split_target(num_kv_heads: int, sms: int, waves: int = DECODE_WAVES) -> int:
+    """Chunks per kv head to aim for: ``waves`` waves of PROGRAMS_PER_SM resident programs per SM.
 
-    On the H200 (bench/kernels_bench.py --sweep-splits, llama3-8b shape) this picked the best or
-    near-best split count for B = 1..256: a full single wave beats a wave and a bit. Depends only on
-    static shapes (``max_tiles`` comes from ``block_tables.shape[1]``), so a CUDA graph captured for a
-    batch size stays valid for any context lengths replayed into it.
+    Several waves let the block scheduler even out chunks of unequal length (list scheduling ends
+    within one chunk of the mean, and a chunk is at most 1/waves of a slot's mean share).
     """
+    return max(1, waves * PROGRAMS_PER_SM * sms // max(1, num_kv_heads))
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_tiles: int, sms: int) -> int:
+    """The previous heuristic (one fixed split count per batch size), kept for the bench's A/B."""
     slots = PROGRAMS_PER_SM * sms
     return max(1, min(slots // max(1, batch * num_kv_heads), MAX_SPLITS, max_tiles))
 
 
-def decode_block_n(page: int, head_dim: int) -> int:
-    """Key tile: a whole number of pages, about 64 tokens (32 for very wide heads)."""
-    return max(page, 64 if head_dim <= 128 else 32, 16)
+def decode_config(page: int, head_dim: int, kv_dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages). A key tile of about 16 KiB per operand: 64 bf16 tokens at
+    D = 128 (the H200 sweep's best of the previous kernel), twice the tokens for fp8; never less
+    than a page. bench/kernels_bench.py --sweep-decode re-times alternatives."""
+    tokens = 64 if head_dim <= 128 else 32
+    if is_fp8(kv_dtype):
+        tokens *= 2
+    return max(page, tokens, 16), 4, 2
 
 
 def paged_decode_attention(
@@ -181,13 +242,18 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    kv_scales: torch.Tensor | None = None,
+    split_target: int | None = None,
+    min_chunk: int = MIN_CHUNK_TILES,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (q: [B, Hq, D]) over its ``seq_lens[i]`` cached tokens.
 
     The new token's K/V must already be in the cache. A sequence with ``seq_len == 0`` (CUDA-graph
-    padding) gets zeros. Returns ``out`` ([B, Hq, D], q's dtype).
+    padding) gets zeros. ``kv_scales`` goes with an fp8 cache. ``num_splits`` forces every sequence
+    into that many chunks (the old scheme; A/B and tests); ``split_target``/``min_chunk`` tune the
+    balanced partition. Returns ``out`` ([B, Hq, D], q's dtype).
     """
-    check_paged_inputs(q, kv_cache, block_tables)
+    check_paged_inputs(q, kv_cache, block_tables, kv_scales)
     window = check_window(sliding_window)
     batch, hq, d = q.shape
     _, _, page, hkv, _ = kv_cache.shape
@@ -198,39 +264,37 @@ def paged_decode_attention(
         )
     if out is None:
         out = torch.empty((batch, hq, d), dtype=q.dtype, device=q.device)
-    assert out.shape == q.shape and out.stride(2) == 1, (
-        f"out {tuple(out.shape)} must match q {tuple(q.shape)}"
-    )
+    assert out.shape == q.shape and out.stride(2) == 1, f"out {tuple(out.shape)} must match q {tuple(q.shape)}"
     if batch == 0:
         return out
-    group = hq // hkv
-    block_n = decode_block_n(page, d)
-    max_tiles = max(1, -(-block_tables.shape[1] * page // block_n))
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, hkv, max_tiles, num_sms(q.device))
-    if not 1 <= num_splits <= 1024:
+    if num_splits is not None and not 1 <= num_splits <= 1024:
         raise ValueError(f"num_splits must be in [1, 1024]; got {num_splits}")
-    part_o = part_lse = out  # unused placeholders when there is a single split
-    if num_splits > 1:
-        part_o = torch.empty((batch, hq, num_splits, d), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)
-    sp = (hq * num_splits, num_splits, 1) if num_splits > 1 else (0, 0, 0)
-    _decode_split_kernel[(batch, hkv, num_splits)](
-        q, kv_cache[0], kv_cache[1], block_tables, seq_lens, out, part_o, part_lse,
-        scale * LOG2E, window,
+    if split_target is None:
+        split_target = choose_split_target(hkv, num_sms(q.device))
+    if split_target < 1 or min_chunk < 1:
+        raise ValueError(f"split_target and min_chunk must be >= 1; got {split_target}, {min_chunk}")
+    group = hq // hkv
+    block_n, warps, stages = decode_config(page, d, kv_cache.dtype)
+    programs = batch * num_splits if num_splits else batch + split_target
+    part_o = torch.empty((programs, hq, d), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((programs, hq), dtype=torch.float32, device=q.device)
+    seq_info = torch.empty((batch, 2), dtype=torch.int32, device=q.device)
+    _decode_split_kernel[(programs, hkv)](
+        q, kv_cache[0], kv_cache[1], *scale_args(kv_cache, kv_scales)[:2], block_tables, seq_lens, out,
+        part_o, part_lse, seq_info,
+        scale * LOG2E, window, batch, split_target, min_chunk,
         q.stride(0), q.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        *scale_args(kv_cache, kv_scales)[2:],
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        *sp,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, PAGE=page,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, USE_WINDOW=window > 0,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        BLOCK_N=block_n, FIXED_SPLITS=num_splits or 0, USE_WINDOW=window > 0, KV_FP8=is_fp8(kv_cache.dtype),
+        DOT_PREC=dot_precision(q), SCAN_N=SCAN, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    if num_splits > 1:
+    if num_splits != 1:
         _decode_reduce_kernel[(batch, hq)](
-            part_o, part_lse, out, sp[0], sp[1], out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=d, num_warps=4,
+            part_o, part_lse, seq_info, out, hq, out.stride(0), out.stride(1),
+            HEAD_DIM=d, S_BLOCK_N=S_BLOCK, num_warps=4,
         )  # fmt: skip
     return out

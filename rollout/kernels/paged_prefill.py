@@ -13,19 +13,21 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.kernels.paged_decode import LOG2E, check_paged_inputs, check_window
+from rollout.kernels.paged_common import LOG2E, check_paged_inputs, check_window, dot_precision, is_fp8, scale_args
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
     qk_scale, window,
     stride_qt, stride_qh,
     stride_cb, stride_cs, stride_ch,
+    stride_sb, stride_ss,
     stride_bt,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     mb = tl.program_id(0)
     h = tl.program_id(1)
@@ -61,8 +63,13 @@ def _prefill_kernel(
         kv_ok = pos < hi
         blk = tl.load(bt_row + pos // PAGE, mask=kv_ok, other=0).to(tl.int64)
         off = blk * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch
-        k = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # log2 domain
+        k = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=kv_ok[:, None], other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if KV_FP8:  # per-key scales (see paged_decode)
+            s_off = blk * stride_sb + (pos % PAGE) * stride_ss + kvh
+            s = s * (tl.load(ks_ptr + s_off, mask=kv_ok, other=0.0).to(tl.float32) * qk_scale)[None, :]
+        else:
+            s = s * qk_scale  # log2 domain
         visible = kv_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
@@ -71,8 +78,10 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + off[:, None] + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        v = tl.load(v_ptr + off[:, None] + offs_d[None, :], mask=kv_ok[:, None], other=0.0).to(q.dtype)
+        if KV_FP8:
+            p = p * tl.load(vs_ptr + s_off, mask=kv_ok, other=0.0).to(tl.float32)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -100,14 +109,15 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens q ([T, Hq, D]) over each sequence's paged context.
 
     ``max_query_len`` (a host int, >= every q_len) sizes the grid; rows of q beyond
     ``query_start_loc[-1]`` are left untouched in ``out``. ``block_m``/``block_n`` override the tile
-    sizes (powers of two >= 16), e.g. to keep interpreter tests small.
+    sizes (powers of two >= 16), e.g. to keep interpreter tests small. ``kv_scales`` goes with an fp8 cache.
     """
-    check_paged_inputs(q, kv_cache, block_tables)
+    check_paged_inputs(q, kv_cache, block_tables, kv_scales)
     window = check_window(sliding_window)
     num_tokens, hq, d = q.shape
     _, _, page, hkv, _ = kv_cache.shape
@@ -131,14 +141,16 @@ def paged_prefill_attention(
             raise ValueError(f"{name} must be a power of two >= 16; got {val}")
     grid = (triton.cdiv(max_query_len, bm), hq, batch)
     _prefill_kernel[grid](
-        q, kv_cache[0], kv_cache[1], block_tables, query_start_loc, seq_lens, out,
+        q, kv_cache[0], kv_cache[1], *scale_args(kv_cache, kv_scales)[:2], block_tables, query_start_loc,
+        seq_lens, out,
         scale * LOG2E, window,
         q.stride(0), q.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        *scale_args(kv_cache, kv_scales)[2:],
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, PAGE=page, BLOCK_M=bm, BLOCK_N=bn, USE_WINDOW=window > 0,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        KV_FP8=is_fp8(kv_cache.dtype), DOT_PREC=dot_precision(q),
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

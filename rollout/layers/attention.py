@@ -2,6 +2,7 @@
 
 It is the CPU path and the oracle the Triton kernels are tested against, so it is written for
 clarity: gather each sequence's context through its block table, then causal SDPA in float32.
+An fp8 cache (``rollout.layers.kv_quant``) is quantized on write and dequantized on gather.
 """
 
 from __future__ import annotations
@@ -9,27 +10,62 @@ from __future__ import annotations
 import torch
 
 from rollout.layers.attention_metadata import AttentionMetadata
+from rollout.layers.kv_quant import dequantize_fp8, fp8_views, is_fp8_cache, quantize_fp8
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter new K/V rows into their slots; slots < 0 are padding and skipped."""
+def write_kv(
+    kv_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
+) -> None:
+    """Scatter new K/V rows into their slots; slots < 0 are padding and skipped. With ``kv_scales``
+    (an fp8 cache's value and scale views) rows are quantized first."""
     _, num_blocks, block_size, hkv, d = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, hkv, d)
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
-    flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
+    if kv_scales is None:
+        flat = kv_cache.view(2, num_blocks * block_size, hkv, d)
+        flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
+        flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
+        return
+    blk, off = slot_mapping // block_size, slot_mapping % block_size
+    raw = kv_cache.view(torch.uint8)  # indexing kernels for raw bytes exist on every device; fp8 ones may not
+    for i, x in enumerate((k, v)):
+        values, scales = quantize_fp8(x)
+        raw[i, blk, off] = values.view(torch.uint8)
+        kv_scales[i, blk, off] = scales
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the first ``seq_len`` positions of one sequence: [seq_len, Hkv, D] each."""
+def gather_kv(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, kv_scales: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the first ``seq_len`` positions of one sequence: [seq_len, Hkv, D] each (float32
+    when dequantized from fp8)."""
     block_size = kv_cache.shape[2]
     nblk = (seq_len + block_size - 1) // block_size
     blocks = block_table[:nblk].long()
-    k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
-    v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    if kv_scales is None:
+        k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
+        v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+        return k, v
+    raw = kv_cache.view(torch.uint8)
+    k, v = (
+        dequantize_fp8(raw[i, blocks].flatten(0, 1)[:seq_len].view(kv_cache.dtype),
+                       kv_scales[i, blocks].flatten(0, 1)[:seq_len])
+        for i in (0, 1)
+    )
     return k, v
+
+
+def cache_views(kv_cache: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer's cache as the kernels take it: (values [2, nb, page, Hkv, D], scales or None).
+    ``k`` ([T, Hkv, D], the new keys) supplies the head shape an fp8 cache's raw bytes do not."""
+    if is_fp8_cache(kv_cache):
+        return fp8_views(kv_cache, k.shape[1], k.shape[2])
+    return kv_cache, None
 
 
 def reference_attention(
@@ -38,8 +74,10 @@ def reference_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [T, Hq, D] (new tokens, K/V already written). Returns [T, Hq, D] in q's dtype."""
+    """q: [T, Hq, D] (new tokens, K/V already written; ``kv_cache`` is the value view and ``kv_scales``
+    the scales of an fp8 cache). Returns [T, Hq, D] in q's dtype."""
     out = torch.empty_like(q)
     qlens = meta.query_lens_host or torch.diff(meta.query_start_loc).tolist()
     slens = meta.seq_lens_host or meta.seq_lens.tolist()
@@ -48,7 +86,7 @@ def reference_attention(
     for i, (ql, sl) in enumerate(zip(qlens, slens)):
         if ql == 0:
             continue
-        k, v = gather_kv(kv_cache, meta.block_tables[i], sl)
+        k, v = gather_kv(kv_cache, meta.block_tables[i], sl, kv_scales)
         qi = q[start : start + ql].float().transpose(0, 1)  # [Hq, ql, D]
         ki = k.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, sl, D]
         vi = v.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
@@ -78,5 +116,6 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        write_kv(kv_cache, k, v, meta.slot_mapping)
-        return reference_attention(q, kv_cache, meta, scale, sliding_window)
+        values, scales = cache_views(kv_cache, k)
+        write_kv(values, k, v, meta.slot_mapping, scales)
+        return reference_attention(q, values, meta, scale, sliding_window, scales)

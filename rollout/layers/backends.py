@@ -1,5 +1,5 @@
-"""Pick the attention backend: flash-attn when it imports (and the block size suits it), else Triton on
-CUDA, torch on the CPU."""
+"""Pick the attention backend: flash-attn when it imports (and the block size and KV dtype suit it), else
+Triton on CUDA, torch on the CPU."""
 
 from __future__ import annotations
 
@@ -14,11 +14,17 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def make_attention_backend(name: str, device: torch.device, block_size: int = 16) -> object:
+def make_attention_backend(
+    name: str, device: torch.device, block_size: int = 16, kv_cache_dtype: str = "auto"
+) -> object:
+    """``kv_cache_dtype`` other than "auto" (the model's dtype) keeps "auto" off flash-attn, which reads
+    only a cache in the query's dtype; the Triton and torch backends read every supported type."""
+    if name == "flash_attn" and kv_cache_dtype == "fp8":
+        raise ValueError("kv_cache_dtype='fp8' needs attention_backend 'triton', 'torch' or 'auto', not 'flash_attn'")
     if name == "auto":
         if device.type != "cuda":
             name = "torch"
-        elif flash_attn_available() and block_size % 256 == 0:
+        elif flash_attn_available() and block_size % 256 == 0 and kv_cache_dtype == "auto":
             name = "flash_attn"
         else:
             name = "triton"

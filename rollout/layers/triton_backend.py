@@ -1,9 +1,9 @@
 """Triton paged-attention backend: the GPU path, a drop-in for ``TorchAttentionBackend``.
 
 Decode-only steps (the bulk of a rollout, and the ones captured in CUDA graphs) take the split-KV
-decode kernel; every other batch takes the varlen prefill kernel. Neither reads tensor values on
-the host, so a decode step is graph-capturable as long as the kernels were compiled (warmed up)
-before capture.
+decode kernel, its chunks balanced over the live context lengths on the device; every other batch
+takes the varlen prefill kernel. Neither reads tensor values on the host, so a decode step is
+graph-capturable as long as the kernels were compiled (warmed up) before capture.
 
 The kernel modules are imported when the backend is built, not when this file is imported: Triton
 decides at kernel-definition time whether to compile or interpret, and CPU tests set
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from rollout.layers.attention import cache_views
 from rollout.layers.attention_metadata import AttentionMetadata
 
 
@@ -30,7 +31,7 @@ class TritonAttentionBackend:
         self._write_kv = write_kv_triton
         self._decode = paged_decode_attention
         self._prefill = paged_prefill_attention
-        self.decode_num_splits = decode_num_splits  # None = heuristic from batch size and SM count
+        self.decode_num_splits = decode_num_splits  # None = balanced over the live context lengths
 
     def forward(
         self,
@@ -42,17 +43,19 @@ class TritonAttentionBackend:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] (new tokens). Writes K/V, returns [T, Hq, D] in q's dtype."""
-        self._write_kv(kv_cache, k, v, meta.slot_mapping)
+        """q: [T, Hq, D], k/v: [T, Hkv, D] (new tokens). Writes K/V, returns [T, Hq, D] in q's dtype.
+        ``kv_cache`` is a layer's cache, fp8 layout included (``rollout.layers.kv_quant``)."""
+        kv_cache, kv_scales = cache_views(kv_cache, k)
+        self._write_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
         if meta.decode_only:
             assert q.shape[0] == meta.num_seqs, (
                 f"decode batch has {q.shape[0]} tokens for {meta.num_seqs} seqs"
             )
             return self._decode(
                 q, kv_cache, meta.block_tables, meta.seq_lens, scale,
-                sliding_window=sliding_window, num_splits=self.decode_num_splits,
+                sliding_window=sliding_window, num_splits=self.decode_num_splits, kv_scales=kv_scales,
             )  # fmt: skip
         return self._prefill(
             q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-            meta.max_query_len, sliding_window=sliding_window,
+            meta.max_query_len, sliding_window=sliding_window, kv_scales=kv_scales,
         )  # fmt: skip

@@ -1,8 +1,9 @@
 """Triton paged-attention kernels on the GPU at real model shapes, bf16, against the fp32 reference.
 
 Shapes follow the bench presets (llama3-8b 32/8/128, qwen3-0.6b 16/8/128, qwen2.5-1.5b 12/2/128),
-block_size 16, batches 1..256, contexts up to 16K, scattered block tables. Also checks that a decode
-step (K/V store + attention) captures into a CUDA graph and replays correctly with new lengths.
+block_size 16, batches 1..512, contexts up to 32K (W2's long-tailed lengths included), scattered
+block tables, bf16 and fp8 caches. Also checks that a decode step (K/V store + attention) captures
+into a CUDA graph and replays correctly with new lengths.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from rollout.kernels.paged_decode import paged_decode_attention  # noqa: E402
 from rollout.kernels.paged_prefill import paged_prefill_attention  # noqa: E402
 from rollout.layers.attention import reference_attention, write_kv  # noqa: E402
 from rollout.layers.attention_metadata import AttentionMetadata  # noqa: E402
+from rollout.layers.kv_quant import fp8_block_bytes, fp8_views, quantize_fp8  # noqa: E402
 from rollout.layers.triton_backend import TritonAttentionBackend  # noqa: E402
 
 PRESETS = {"llama3-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128), "qwen2.5-1.5b": (12, 2, 128)}
@@ -67,6 +69,27 @@ def rel_err(out, ref):
     return ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
 
 
+def to_fp8(cache):
+    """A bf16 cache's values in the fp8 layout: (raw bytes, values view, scales view)."""
+    _, nb, page, hkv, d = cache.shape
+    raw = torch.empty(2, nb, fp8_block_bytes(page, hkv, d), dtype=torch.uint8, device=DEV)
+    values, scales = fp8_views(raw, hkv, d)
+    qv, sc = quantize_fp8(cache)
+    values.copy_(qv)
+    scales.copy_(sc)
+    return raw, values, scales
+
+
+def long_tail_lens(batch, max_ctx, seed, lo=300):
+    """W2-like: log-uniform in [lo, max_ctx] (prompt + a long-tailed generation so far), longest present."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.rand(batch, generator=gen)
+    lens = torch.exp(torch.log(torch.tensor(float(lo))) * (1 - u) + torch.log(torch.tensor(float(max_ctx))) * u)
+    lens = lens.long().tolist()
+    lens[batch // 3] = max_ctx
+    return lens
+
+
 def random_lens(batch, max_ctx, seed):
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(max(1, max_ctx // 2), max_ctx + 1, (batch,), generator=gen).tolist()
@@ -82,6 +105,47 @@ def test_decode_real_shapes(preset, batch, max_ctx):
     q, cache, meta = build([1] * batch, lens, hq, hkv, d)
     out = paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, d**-0.5)
     assert rel_err(out, reference(q, cache, meta)) < 1e-2
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("batch,max_ctx", [(256, 16384), (512, 16384), (64, 32768), (2, 32768)])
+def test_decode_w2_long_tail_and_32k(kv, batch, max_ctx):
+    """qwen2.5-1.5b's 12/2 heads (GQA 6) over W2's long-tailed contexts and up to 32K, balanced chunks."""
+    hq, hkv, d = PRESETS["qwen2.5-1.5b"]
+    q, cache, meta = build([1] * batch, long_tail_lens(batch, max_ctx, seed=batch), hq, hkv, d)
+    scales = None
+    if kv == "fp8":
+        _, cache, scales = to_fp8(cache)
+    out = paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, d**-0.5, kv_scales=scales)
+    ref = reference_attention(q.float(), cache, meta, d**-0.5, kv_scales=scales)
+    assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 1), (16, 2), (32, 8)])  # GQA 8 with one kv head, 8, 4
+def test_decode_gqa_groups_32k(hq, hkv):
+    q, cache, meta = build([1] * 3, [32768, 17, 20000], hq, hkv, 128)
+    for window in (None, 4096):
+        out = paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, 128**-0.5, window)
+        assert rel_err(out, reference(q, cache, meta, window)) < 1e-2
+
+
+def test_prefill_fp8_and_kv_write_fp8():
+    hq, hkv, d = PRESETS["qwen2.5-1.5b"]
+    q, cache, meta = build([1, 512, 2000, 37], [4000, 512, 32000, 16000], hq, hkv, d)
+    raw, values, scales = to_fp8(cache)
+    out = paged_prefill_attention(
+        q, values, meta.query_start_loc, meta.seq_lens, meta.block_tables, d**-0.5, meta.max_query_len,
+        kv_scales=scales,
+    )
+    assert rel_err(out, reference_attention(q.float(), values, meta, d**-0.5, kv_scales=scales)) < 1e-2
+    k, v = (3 * torch.randn(2, meta.slot_mapping.shape[0], hkv, d, device=DEV)).to(torch.bfloat16).unbind(0)
+    ref_raw = raw.clone()
+    ref_values, ref_scales = fp8_views(ref_raw, hkv, d)
+    write_kv(ref_values, k, v, meta.slot_mapping, ref_scales)
+    write_kv_triton(values, k, v, meta.slot_mapping, scales)
+    assert (raw != ref_raw).float().mean().item() < 1e-4, "fp8 store differs from quantize_fp8 beyond rounding"
+    got, want = values.float() * scales.float()[..., None], ref_values.float() * ref_scales.float()[..., None]
+    assert torch.allclose(got, want, rtol=2**-3, atol=1e-6)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 16, 64])
@@ -145,7 +209,7 @@ def test_decode_step_cuda_graph_replay():
     """Capture store + decode once; replay with longer contexts and new block tables, no recapture."""
     hq, hkv, d = PRESETS["llama3-8b"]
     backend = TritonAttentionBackend()
-    batch, width, capacity = 8, 512, 4096  # static shapes: block_tables width sizes the split workspace
+    batch, width, capacity = 8, 512, 4096  # static shapes; the split workspace depends on the batch only
     q, cache0, meta = build([1] * batch, random_lens(batch, 3000, 1), hq, hkv, d)
     cache = torch.zeros(2, capacity, PAGE, hkv, d, device=DEV, dtype=torch.bfloat16)
     cache[:, : cache0.shape[1]].copy_(cache0)
