@@ -92,5 +92,5 @@ def load_checkpoint(model: nn.Module, path: str | Path) -> None:
 
 
 def _target_key(mapper: WeightMapper, name: str) -> tuple[int, int | None]:
-    param, rows = mapper.resolve(name)
-    return id(param), None if rows is None else rows.start
+    target = mapper.resolve(name)
+    return id(target.param), None if target.rows is None else target.rows.start
