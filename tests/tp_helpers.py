@@ -1,7 +1,7 @@
 """Run a function on several CPU ranks over gloo: the tensor-parallel tests' harness.
 
-Each rank is a fresh spawned process (one torch thread), joined to a file-based rendezvous in a temp
-dir (no ports to race for); a rank's exception comes back as the test failure, and a rank that hangs
+Each rank is a fresh spawned process (one torch thread), joined to a process group over a file store in a
+temp dir (no ports to race for); a rank's exception comes back as the test failure, and a rank that hangs
 is killed after ``timeout`` seconds.
 """
 
@@ -12,6 +12,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from multiprocessing.connection import wait
 from pathlib import Path
 
@@ -26,7 +27,7 @@ def run_ranks(fn: Callable[..., None], world_size: int, *args: object, timeout: 
     """``fn(tp, *args)`` on ``world_size`` gloo ranks; raises if any rank fails or overruns."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as d:
-        init = f"file://{os.path.join(d, 'rendezvous')}"
+        init = os.path.join(d, "rendezvous")
         procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init, d, args), daemon=True)
                  for r in range(world_size)]
         for p in procs:
@@ -55,11 +56,8 @@ def run_ranks(fn: Callable[..., None], world_size: int, *args: object, timeout: 
 def _entry(fn: Callable[..., None], rank: int, world_size: int, init: str, d: str, args: tuple) -> None:
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
-        try:
-            fn(TPGroup.from_default_group(), *args)
-        finally:
-            dist.destroy_process_group()
+        store = dist.FileStore(init, world_size)
+        fn(TPGroup.create(store, rank, world_size, torch.device("cpu"), timeout=timedelta(seconds=60)), *args)
     except BaseException:
         Path(d, f"error{rank}").write_text(f"rank {rank}:\n{traceback.format_exc()}")
         raise SystemExit(1) from None

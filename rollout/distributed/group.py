@@ -9,6 +9,7 @@ they can be captured inside CUDA graphs once warmed up.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -33,6 +34,27 @@ class TPGroup:
     @classmethod
     def single(cls) -> TPGroup:
         return cls(0, 1, None)
+
+    @classmethod
+    def create(cls, store: Any, rank: int, world_size: int, device: torch.device,
+               timeout: timedelta = timedelta(minutes=10)) -> TPGroup:
+        """A process group of its own over ``store`` (gloo on the CPU, NCCL on CUDA), without
+        ``init_process_group``: the engine's process may be a trainer with a default group of its own."""
+        if world_size == 1:
+            return cls.single()
+        store = dist.PrefixStore("rollout_tp/", store)
+        pg = dist.ProcessGroup(store, rank, world_size)
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            backend, kind = dist.ProcessGroupNCCL(store, rank, world_size, opts), dist.ProcessGroup.BackendType.NCCL
+        else:
+            backend = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+            kind = dist.ProcessGroup.BackendType.GLOO
+        pg._set_default_backend(kind)
+        backend._set_sequence_number_for_group()
+        pg._register_backend(torch.device(device.type), kind, backend)
+        return cls(rank, world_size, pg)
 
     @classmethod
     def from_default_group(cls) -> TPGroup:
@@ -64,7 +86,7 @@ class TPGroup:
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s ``x`` everywhere, in place; returns ``x``."""
         if self.world_size > 1:
-            dist.broadcast(x, src=dist.get_global_rank(self.group, src), group=self.group)
+            dist.broadcast(x, group=self.group, group_src=src)
         return x
 
 

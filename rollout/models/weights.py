@@ -71,10 +71,6 @@ class WeightMapper:
         """Every name accepted, ``lm_head.weight`` included when tied (it aliases the embedding)."""
         return list(self._targets)
 
-    def targets(self) -> dict[str, Target]:
-        """Name -> target; several names share a target when weights are tied."""
-        return dict(self._targets)
-
     def resolve(self, hf_name: str) -> Target:
         """Where ``hf_name`` lands; KeyError for an unknown name."""
         try:
