@@ -50,11 +50,22 @@ def start_tensor_parallel(source: object, dtype: str | torch.dtype, device: torc
         model = loading.build_shard(hf_config, checkpoint, torch_dtype, device, tp)
         workers.replies()  # every worker has built (and, from a checkpoint, loaded) its shard
         if checkpoint is None:
-            TPWeightSync(model, workers).apply(source.named_parameters(), require_all=True)  # type: ignore[attr-defined]
+            TPWeightSync(model, workers).apply(_NamedParameters(source), require_all=True)
     except BaseException:
         workers.shutdown()
         raise
     return model, hf_config, workers
+
+
+class _NamedParameters:
+    """``source.named_parameters()`` afresh on every pass, so weights stream one tensor at a time
+    (a one-shot iterator would be listed whole first)."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    def __iter__(self) -> Any:
+        return iter(self.source.named_parameters())
 
 
 def _join_group(store: Any, n: int, device: torch.device, workers: TPWorkers) -> TPGroup:
@@ -135,23 +146,19 @@ class TPWeightSync(WeightSync):
         """Validate on every rank, agree, then broadcast and copy; nothing changes anywhere if any
         rank objects. ``require_all``: every parameter must be given (the first load)."""
         source = _as_source(named_tensors)
-        seen = self._validate(source)
-        items = [(name, t.detach()) for name, t in source() if not is_ignored(name)]  # type: ignore[misc]
+        seen = self._validate(source)  # streamed passes: never more than one tensor of the source held
+        manifest = [(name, tuple(t.shape), t.dtype) for name, t in source() if not is_ignored(name)]  # type: ignore[misc]
         if require_all:
-            missing = missing_weights(self.mapper, [name for name, _ in items])
+            missing = missing_weights(self.mapper, [name for name, _, _ in manifest])
             if missing:
                 raise ValueError(f"{len(missing)} weight(s) of {self.mapper.model_name} were not provided: "
                                  f"{missing[:8]}")
-        manifest = [(name, tuple(t.shape), t.dtype) for name, t in items]
         problems = [p for p in self.workers.call("validate_weights", manifest) if p]
         if problems:
             raise ValueError(f"{problems[0]}; update rejected, nothing changed")
         self.workers.send("copy_weights")
         try:
-            with torch.no_grad():
-                for name, tensor in items:
-                    full = tensor.to(self.device, non_blocking=tensor.is_pinned()).contiguous()
-                    self.mapper.resolve(name).write(self.tp.broadcast(full, src=0))
+            self._broadcast(source, manifest)
         except Exception as e:
             self.workers.explain(e)
             raise
@@ -159,3 +166,17 @@ class TPWeightSync(WeightSync):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return len(seen)
+
+    def _broadcast(self, source: Any, manifest: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        i = 0
+        with torch.no_grad():
+            for name, tensor in source():
+                if is_ignored(name):
+                    continue
+                if i >= len(manifest) or manifest[i] != (name, tuple(tensor.shape), tensor.dtype):
+                    break
+                full = tensor.detach().to(self.device, non_blocking=tensor.is_pinned()).contiguous()
+                self.mapper.resolve(name).write(self.tp.broadcast(full, src=0))
+                i += 1
+        if i != len(manifest):  # the workers wait for tensors that will not come: stop them
+            self.workers.stop(f"the weight source changed between validation and copy at tensor {i}")

@@ -108,6 +108,13 @@ class TPWorkers:
         if self.error is not None:
             raise RuntimeError(self.error) from exc
 
+    def stop(self, reason: str) -> None:
+        """Stop every worker and the engine with it (the ranks can no longer agree); raises."""
+        if self.error is None:
+            self.error = f"tensor-parallel engine stopped: {reason} (build a new Engine)"
+            _shutdown(self.procs, self.conns)
+        raise RuntimeError(self.error)
+
     def shutdown(self) -> None:
         self._finalizer()
 
