@@ -176,11 +176,12 @@ class BlockManager:
         child.block_hashes = parent.block_hashes[: num_tokens // self.block_size]
         child.num_computed_tokens = child.num_cached_tokens = num_tokens
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: Sequence, register: bool = True) -> None:
         """Drop the sequence's references; tail blocks go to the free list first, so they are reused
         before head blocks, which are the likelier prefix hits. Full computed blocks are registered first
-        so a finished sequence's prompt and output stay reusable (every planned token was launched)."""
-        if self.enable_prefix_caching and seq.seq_id in self._seq_root:
+        so a finished sequence's prompt and output stay reusable (every planned token was launched);
+        ``register=False`` after a failed step, whose KV writes may not have happened."""
+        if register and self.enable_prefix_caching and seq.seq_id in self._seq_root:
             self._register_full_blocks(seq)
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
