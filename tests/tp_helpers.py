@@ -1,6 +1,6 @@
 """Run a function on several CPU ranks over gloo: the tensor-parallel tests' harness.
 
-Each rank is a fresh spawned process (one torch thread), joined to a process group over a file store in a
+Each rank is a fresh process (one torch thread), joined to a process group over a file store in a
 temp dir (no ports to race for); a rank's exception comes back as the test failure, and a rank that hangs
 is killed after ``timeout`` seconds.
 """
@@ -18,14 +18,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from rollout.distributed import TPGroup
+from rollout.engine.tp_workers import worker_context
 
 
 def run_ranks(fn: Callable[..., None], world_size: int, *args: object, timeout: float = 120.0) -> None:
     """``fn(tp, *args)`` on ``world_size`` gloo ranks; raises if any rank fails or overruns."""
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()  # the engine's own: a fork server with torch and transformers loaded
     with tempfile.TemporaryDirectory() as d:
         init = os.path.join(d, "rendezvous")
         procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init, d, args), daemon=True)

@@ -1,5 +1,8 @@
 """A tensor-parallel worker process: one rank's shard, KV cache and runner, driven by the engine.
 
+Everything a worker needs is imported at the top: the fork server imports this module once, and
+every worker forked from it starts with torch and transformers already loaded.
+
 It runs the very runner the engine's own rank runs (on CUDA: streams, IO slots, carry-over, graphs
 with the collectives captured inside), on the same plans in the same order, so every collective
 meets its peers. Its samples equal rank 0's (the vocabulary-parallel sampler ends with the same
@@ -19,7 +22,12 @@ import torch
 import torch.distributed as dist
 
 from rollout.distributed.group import TPGroup
+from rollout.engine import loading
+from rollout.engine.engine import build_runner
+from rollout.engine.kv_cache import KVCache
 from rollout.engine.tp_workers import WorkerSpec, worker_device
+from rollout.layers.backends import make_attention_backend
+from rollout.models.weights import WeightMapper
 
 STORE_TIMEOUT = timedelta(minutes=10)
 
@@ -52,9 +60,6 @@ def _reply(conn: Connection, kind: str, value: object) -> None:
 
 class Worker:
     def __init__(self, spec: WorkerSpec, tp: TPGroup, device: torch.device) -> None:
-        from rollout.engine import loading
-        from rollout.models.weights import WeightMapper
-
         self.tp, self.device = tp, device
         self.model = loading.build_shard(spec.hf_config, spec.checkpoint, spec.dtype, device, tp)
         self.mapper = WeightMapper(self.model)
@@ -76,10 +81,6 @@ class Worker:
     # ---- the loop ----------------------------------------------------------------------------
     def init_kv(self, config: Any, max_model_len: int, num_blocks: int) -> None:
         """The same cache geometry and runner as rank 0 (same block count, graph sizes, backend)."""
-        from rollout.engine.engine import build_runner
-        from rollout.engine.kv_cache import KVCache
-        from rollout.layers.backends import make_attention_backend
-
         config = dataclasses.replace(config, num_blocks=num_blocks)
         dtype = next(self.model.parameters()).dtype
         backend = make_attention_backend(config.attention_backend, self.device, config.block_size)
