@@ -47,6 +47,7 @@ def start_tensor_parallel(source: object, dtype: str | torch.dtype, device: torc
     workers.store = store  # the rendezvous lives as long as the workers
     try:
         tp = _join_group(store, n, device, workers)
+        workers.on_death = lambda: _abort(tp)
         model = loading.build_shard(hf_config, checkpoint, torch_dtype, device, tp)
         workers.replies()  # every worker has built (and, from a checkpoint, loaded) its shard
         if checkpoint is None:
@@ -55,6 +56,25 @@ def start_tensor_parallel(source: object, dtype: str | torch.dtype, device: torc
         workers.shutdown()
         raise
     return model, hf_config, workers
+
+
+def _abort(tp: TPGroup) -> None:
+    """Abort rank 0's communicators so a collective waiting for a dead peer raises instead of hanging."""
+    for abort in (getattr(tp.group, "abort", None),
+                  getattr(_backend(tp), "abort", None)):
+        if abort is not None:
+            try:
+                abort()
+                return
+            except Exception:  # noqa: BLE001 - best effort: the error is reported by the caller
+                continue
+
+
+def _backend(tp: TPGroup) -> Any:
+    try:
+        return tp.group._get_backend(torch.device("cuda"))
+    except Exception:  # noqa: BLE001 - no CUDA backend (gloo)
+        return None
 
 
 class _NamedParameters:

@@ -13,7 +13,9 @@ tensor-parallel engine with a rank missing cannot compute, so it stops instead o
 from __future__ import annotations
 
 import pickle
+import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -46,7 +48,7 @@ class TPWorkers:
     def __init__(self, spec: WorkerSpec) -> None:
         from rollout.engine.tp_worker import worker_main
 
-        ctx = worker_context()
+        ctx = worker_context(torch.device(spec.device).type)
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
         for rank in range(1, spec.world_size):
@@ -58,7 +60,11 @@ class TPWorkers:
             self.procs.append(proc)
             self.conns.append(parent)
         self.error: str | None = None  # set once a rank failed: the engine cannot go on
-        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)
+        self.on_death: Callable[[], None] | None = None  # called from the watchdog thread (aborts NCCL)
+        self._closing = threading.Event()
+        threading.Thread(target=_watchdog, args=(self.procs, weakref.ref(self), self._closing), daemon=True,
+                         name="rollout-tp-watchdog").start()
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, self._closing)
 
     # ---- commands ----------------------------------------------------------------------------
     def send(self, *message: object) -> None:
@@ -112,7 +118,7 @@ class TPWorkers:
         """Stop every worker and the engine with it (the ranks can no longer agree); raises."""
         if self.error is None:
             self.error = f"tensor-parallel engine stopped: {reason} (build a new Engine)"
-            _shutdown(self.procs, self.conns)
+            _shutdown(self.procs, self.conns, self._closing)
         raise RuntimeError(self.error)
 
     def shutdown(self) -> None:
@@ -139,15 +145,16 @@ class TPWorkers:
             state = "failed" if proc.exitcode in (None, 1) else f"died (exit code {proc.exitcode})"
             self.error = (f"tensor-parallel worker rank {rank} {state}; the engine stopped (build a new Engine)"
                           + (f"\n{detail}" if detail else ""))
-            _shutdown(self.procs, self.conns)
+            _shutdown(self.procs, self.conns, self._closing)
         raise RuntimeError(self.error) from cause
 
 
-def worker_context() -> Any:
-    """Workers never fork the engine's process (it may hold CUDA state). A fork server imports torch
-    and the worker code once, then forks each worker from that clean process: the second engine's
-    workers start in well under a second instead of re-importing everything (spawn where no fork)."""
-    if "forkserver" not in mp.get_all_start_methods():
+def worker_context(device_type: str = "cpu") -> Any:
+    """Workers never fork the engine's process (it may hold CUDA state). GPU workers are spawned
+    fresh (a fork server that ever touched the CUDA driver would hand it on broken). CPU workers
+    come from a fork server that imports torch and the worker code once: the second engine's workers
+    start in well under a second instead of re-importing everything."""
+    if device_type == "cuda" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["rollout.engine.tp_worker"])
@@ -161,8 +168,18 @@ def _readable(conn: Connection) -> bool:
         return False
 
 
-def _shutdown(procs: list[Any], conns: list[Connection]) -> None:
+def _watchdog(procs: list[Any], ref: weakref.ref, closing: threading.Event) -> None:
+    """Wake when any worker exits; unless the engine is closing, let it abort its collectives: a
+    peer gone mid-step would otherwise leave rank 0 waiting in NCCL for ever."""
+    wait([p.sentinel for p in procs])
+    workers = ref()
+    if not closing.is_set() and workers is not None and workers.on_death is not None:
+        workers.on_death()
+
+
+def _shutdown(procs: list[Any], conns: list[Connection], closing: threading.Event) -> None:
     """Ask politely, then make sure: no worker outlives its engine."""
+    closing.set()
     data = pickle.dumps(("shutdown",))
     for conn in conns:
         try:
