@@ -110,6 +110,18 @@ def test_dead_worker_stops_the_engine_naming_its_rank(models):
             engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
 
 
+def test_a_failed_rank0_step_stops_the_engine(models, monkeypatch):
+    """The worker already runs the step's collectives: rank 0 cannot roll back, so the engine stops."""
+    old, _ = models
+    engine = make(old, tp=2)
+    monkeypatch.setattr(engine.runner.inner, "execute", lambda plan: (_ for _ in ()).throw(MemoryError("boom")))
+    with pytest.raises(MemoryError, match="boom"):
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="engine stopped: rank 0's step raised MemoryError"):
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    assert not any(p.is_alive() for p in engine.workers.procs)
+
+
 def test_sizes_and_gpu_count_are_checked_before_any_worker_starts(models, monkeypatch):
     old, _ = models
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):

@@ -109,6 +109,15 @@ def _join_group(store: Any, n: int, device: torch.device, workers: TPWorkers) ->
     return box["tp"]
 
 
+def _out_of_step(workers: TPWorkers, exc: BaseException) -> None:
+    """Rank 0's step raised after the workers were sent it. Name a dead worker if that was the cause;
+    otherwise the workers are left inside collectives rank 0 will never join, so nothing can be
+    rolled back: stop the engine (the caller re-raises ``exc``) rather than pair the next step's
+    collectives with this one's."""
+    workers.explain(exc)
+    workers.halt(f"rank 0's step raised {type(exc).__name__}: {exc}; the ranks were out of step")
+
+
 class TPPending:
     def __init__(self, inner: Any, workers: TPWorkers) -> None:
         self.inner, self.workers, self.plan = inner, workers, inner.plan
@@ -116,8 +125,8 @@ class TPPending:
     def result(self) -> SampleResult:
         try:
             return self.inner.result()
-        except Exception as e:
-            self.workers.explain(e)
+        except BaseException as e:
+            _out_of_step(self.workers, e)
             raise
 
 
@@ -133,8 +142,8 @@ class TPRunner:
         self.workers.send("execute", plan)
         try:
             pending = self.inner.execute(plan)
-        except Exception as e:
-            self.workers.explain(e)
+        except BaseException as e:
+            _out_of_step(self.workers, e)
             raise
         return TPPending(pending, self.workers)
 

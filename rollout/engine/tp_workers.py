@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.multiprocessing as mp
@@ -107,18 +107,21 @@ class TPWorkers:
     def explain(self, exc: BaseException) -> None:
         """A collective raised on rank 0 (a peer went away): raise naming the rank that died, if one did."""
         if self.error is None:
+            wait([p.sentinel for p in self.procs], timeout=1.0)  # a death shows a moment after its socket
             for rank, proc in enumerate(self.procs, start=1):
-                proc.join(timeout=2.0)  # a peer's death shows up in its sentinel a moment after the socket
                 if not proc.is_alive():
                     self._fail(rank, cause=exc)
         if self.error is not None:
             raise RuntimeError(self.error) from exc
 
-    def stop(self, reason: str) -> None:
-        """Stop every worker and the engine with it (the ranks can no longer agree); raises."""
+    def halt(self, reason: str) -> None:
+        """Stop every worker and the engine with it (the ranks can no longer agree); later calls raise."""
         if self.error is None:
             self.error = f"tensor-parallel engine stopped: {reason} (build a new Engine)"
-            _shutdown(self.procs, self.conns, self._closing)
+            _shutdown(self.procs, self.conns, self._closing, grace=0.5)
+
+    def stop(self, reason: str) -> NoReturn:
+        self.halt(reason)
         raise RuntimeError(self.error)
 
     def shutdown(self) -> None:
@@ -145,7 +148,7 @@ class TPWorkers:
             state = "failed" if proc.exitcode in (None, 1) else f"died (exit code {proc.exitcode})"
             self.error = (f"tensor-parallel worker rank {rank} {state}; the engine stopped (build a new Engine)"
                           + (f"\n{detail}" if detail else ""))
-            _shutdown(self.procs, self.conns, self._closing)
+            _shutdown(self.procs, self.conns, self._closing, grace=0.5)
         raise RuntimeError(self.error) from cause
 
 
@@ -177,8 +180,9 @@ def _watchdog(procs: list[Any], ref: weakref.ref, closing: threading.Event) -> N
         workers.on_death()
 
 
-def _shutdown(procs: list[Any], conns: list[Connection], closing: threading.Event) -> None:
-    """Ask politely, then make sure: no worker outlives its engine."""
+def _shutdown(procs: list[Any], conns: list[Connection], closing: threading.Event, grace: float = 5.0) -> None:
+    """Ask politely, then make sure: no worker outlives its engine (a failed engine's workers may be
+    stuck in a collective, so they get a short ``grace``)."""
     closing.set()
     data = pickle.dumps(("shutdown",))
     for conn in conns:
@@ -187,7 +191,7 @@ def _shutdown(procs: list[Any], conns: list[Connection], closing: threading.Even
         except OSError:
             pass
     for proc in procs:
-        proc.join(timeout=5.0)
+        proc.join(timeout=grace)
         if proc.is_alive():
             proc.kill()
             proc.join()
