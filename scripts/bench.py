@@ -192,11 +192,14 @@ def run_weight_push(hf: torch.nn.Module, preset: str, repeats: int = 3) -> dict:
 
 
 def _commit() -> str:
+    """$COMMIT first: the GPU machine's copy of the tree may carry a stale .git."""
+    if os.environ.get("COMMIT"):
+        return os.environ["COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(__file__)).stdout.strip() or os.environ.get("COMMIT", "unknown")
+                              cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
     except OSError:
-        return os.environ.get("COMMIT", "unknown")
+        return "unknown"
 
 
 def main() -> None:
