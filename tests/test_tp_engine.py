@@ -64,7 +64,7 @@ def test_two_ranks_equal_one(case):
     hf.generation_config.eos_token_id = 3  # min_tokens then has an EOS to suppress
     want = run(make(hf), hf.config.vocab_size)
     engine = make(hf, tp=2)
-    assert engine.model.num_kv_heads == (1 if case == "qwen2_kv1" else 1)  # 2 KV heads split, or 1 replicated
+    assert engine.model.num_kv_heads == 1  # 2 KV heads split over 2 ranks, or qwen2_kv1's one replicated
     assert_same(run(engine, hf.config.vocab_size), want)
 
 

@@ -41,9 +41,12 @@ def sample_vocab_parallel(
         key = torch.where(greedy[:, None], proc, proc - torch.log(-torch.log(noise)))
     best, idx = key.max(-1)
     at = idx[:, None]
+    norm_scaled = _max_sumexp(scaled)
+    norm_raw = norm_scaled if st.all_greedy else _max_sumexp(x)  # greedy rows use T = 1
+    norm_proc = norm_scaled if st.suppress_ids is None else _max_sumexp(proc)
     stats = torch.stack([
         best, (idx + vocab_start).to(torch.float32), x.gather(1, at)[:, 0], scaled.gather(1, at)[:, 0],
-        *_max_sumexp(x), *_max_sumexp(scaled), *_max_sumexp(proc),
+        *norm_raw, *norm_scaled, *norm_proc,
     ], dim=-1).double()
     g = tp.all_gather(stats)  # [world, N, 10]
     win = g[:, :, 0].argmax(0)[None, :, None]  # first max: the lowest rank, i.e. the lowest id
