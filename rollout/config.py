@@ -24,6 +24,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"  # "fp8": e4m3 with a scale per (token, kv head), ~1.97x bf16's tokens
     seed: int = 0
+    tensor_parallel_size: int = 1  # ranks (GPUs) one model is sharded over; 1 = no tensor parallelism
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch_size"):
@@ -59,6 +60,7 @@ class EngineConfig:
                 raise TypeError(f"{name} must be {allowed}, got {value!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {self.seed!r}")
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

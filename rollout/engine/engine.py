@@ -30,6 +30,8 @@ from rollout.engine.scheduler import Scheduler, SchedulerLimits
 from rollout.engine.sequence import Request, Sequence
 from rollout.engine.stats import EngineStats, StepCounters
 from rollout.engine.stop import truncate_at_stop
+from rollout.engine.tp_runner import TPRunner, TPWeightSync, start_tensor_parallel
+from rollout.engine.tp_workers import TPWorkers
 from rollout.engine.validation import check_lengths, check_request_id, normalize_params, to_token_ids
 from rollout.engine.weight_sync import WeightSync
 from rollout.layers.backends import make_attention_backend
@@ -41,8 +43,10 @@ __all__ = ["Engine", "EngineStats"]
 
 class Engine:
     def __init__(self, model: torch.nn.Module, hf_config: object, config: EngineConfig, device: torch.device,
-                 tokenizer: object | None = None, eos_ids: frozenset[int] = frozenset()) -> None:
+                 tokenizer: object | None = None, eos_ids: frozenset[int] = frozenset(),
+                 workers: TPWorkers | None = None) -> None:
         self.model, self.hf_config, self.config, self.device = model, hf_config, config, device
+        self.workers = workers  # tensor-parallel ranks 1 .. N-1 (``model`` is then rank 0's shard)
         self.tokenizer, self.eos_ids = tokenizer, eos_ids
         self.dtype = next(model.parameters()).dtype
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
@@ -63,7 +67,7 @@ class Engine:
             SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens), self.block_manager, detokenize
         )
         self.runner: Runner = self._make_runner()
-        self.weights = WeightSync(model)
+        self.weights = WeightSync(model) if workers is None else TPWeightSync(model, workers)
         self.policy_version = 0
         self.counters = StepCounters(model.weight_bytes_per_step(), self.kv.token_bytes)
         self._sleep_level = 0
@@ -76,26 +80,28 @@ class Engine:
         self._unclaimed: list[RequestOutput] = []  # finished online requests, for the next step() caller
 
     def _make_runner(self) -> Runner:
-        c = self.config
-        if self.device.type != "cuda":
-            return ModelRunner(self.model, self.kv, c.block_size, self.attn_backend, self.device)
-        graphs = c.cuda_graphs if c.cuda_graphs is not None else self.attn_backend.name != "torch"
-        if graphs and self.attn_backend.name == "torch":
-            raise ValueError("cuda_graphs=True needs a graph-capturable attention backend ('triton'), not 'torch'")
-        return CudaModelRunner(
-            self.model, self.kv, c.block_size, self.attn_backend, self.device,
-            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-            max_model_len=self.max_model_len, cuda_graphs=graphs, max_graph_batch_size=c.max_graph_batch_size,
-        )
+        runner = build_runner(self.model, self.kv, self.config, self.attn_backend, self.device, self.max_model_len)
+        if self.workers is None:
+            return runner
+        return TPRunner(runner, self.workers, self.config, self.max_model_len, self.num_blocks)
 
     @classmethod
     def from_pretrained(cls, model: object, dtype: str | torch.dtype = "auto", device: str | None = None,
                         tokenizer: object | None = None, **engine_options: object) -> Engine:
         config = EngineConfig.from_options(**engine_options)
         dev = loading.resolve_device(device)
-        net, hf_config = loading.build_model(model, dtype, dev)
-        tok = loading.load_tokenizer(model, tokenizer)
-        return cls(net, hf_config, config, dev, tok, loading.eos_token_ids(model, hf_config, tok))
+        workers = None
+        if config.tensor_parallel_size > 1:
+            net, hf_config, workers = start_tensor_parallel(model, dtype, dev, config)
+        else:
+            net, hf_config = loading.build_model(model, dtype, dev)
+        try:
+            tok = loading.load_tokenizer(model, tokenizer)
+            return cls(net, hf_config, config, dev, tok, loading.eos_token_ids(model, hf_config, tok), workers)
+        except BaseException:
+            if workers is not None:
+                workers.shutdown()
+            raise
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: object, sampling_params: SamplingParams | None = None,
@@ -332,6 +338,8 @@ class Engine:
 
     def _offload_weights(self, device: torch.device | str) -> None:
         # Parameters move by swapping .data so module structure (and WeightMapper's handles) survive.
+        if self.workers is not None:
+            self.workers.call("offload", torch.device(device).type == "cpu")
         with torch.no_grad():
             for t in list(self.model.parameters()) + list(self.model.buffers()):
                 t.data = t.data.to(device, non_blocking=False)
@@ -344,3 +352,18 @@ class Engine:
             return EngineStats(s.num_running, s.num_waiting, self.block_manager.usage, c.steps, s.num_preemptions,
                                s.num_generated_tokens, c.prompt, c.scheduled, c.busy_frac(compute),
                                self.policy_version, compute, c.bytes, kv_bytes, self.kv.num_tokens, c.failed)
+
+
+def build_runner(model: torch.nn.Module, kv: KVCache, c: EngineConfig, attn_backend: object, device: torch.device,
+                 max_model_len: int) -> Runner:
+    """The runner for one rank's model (every tensor-parallel worker builds its own with this too)."""
+    if device.type != "cuda":
+        return ModelRunner(model, kv, c.block_size, attn_backend, device)
+    graphs = c.cuda_graphs if c.cuda_graphs is not None else attn_backend.name != "torch"  # type: ignore[attr-defined]
+    if graphs and attn_backend.name == "torch":  # type: ignore[attr-defined]
+        raise ValueError("cuda_graphs=True needs a graph-capturable attention backend ('triton'), not 'torch'")
+    return CudaModelRunner(
+        model, kv, c.block_size, attn_backend, device,
+        max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+        max_model_len=max_model_len, cuda_graphs=graphs, max_graph_batch_size=c.max_graph_batch_size,
+    )

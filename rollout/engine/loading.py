@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
+from rollout.distributed.group import TPGroup
 from rollout.models import get_model_class
 from rollout.models.loader import load_checkpoint, load_hf_config, load_named_tensors
 
@@ -56,25 +57,35 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def build_model(source: object, dtype: str | torch.dtype, device: torch.device) -> tuple[torch.nn.Module, object]:
     """Our model with ``source``'s weights: a checkpoint dir or a transformers PreTrainedModel."""
-    if isinstance(source, (str, os.PathLike)):
-        hf_config = load_hf_config(str(source))
-    elif hasattr(source, "config") and hasattr(source, "named_parameters"):
-        hf_config = source.config
-    else:
-        raise TypeError(
-            f"model must be a checkpoint path or a transformers PreTrainedModel, got {type(source).__name__}"
-        )
-    cls = get_model_class(hf_config)
-    torch_dtype = resolve_dtype(dtype, hf_config, device)
-    with _default_dtype(torch_dtype), torch.device(device):
-        model = cls(hf_config)
-    if isinstance(source, (str, os.PathLike)):
-        load_checkpoint(model, str(source))
-    else:
+    hf_config = source_config(source)
+    checkpoint = str(source) if isinstance(source, (str, os.PathLike)) else None
+    model = build_shard(hf_config, checkpoint, resolve_dtype(dtype, hf_config, device), device)
+    if checkpoint is None:
         with torch.no_grad():
-            load_named_tensors(model, ((n, t.detach()) for n, t in source.named_parameters()))
-    model.eval()
+            load_named_tensors(model, ((n, t.detach()) for n, t in source.named_parameters()))  # type: ignore[attr-defined]
     return model, hf_config
+
+
+def source_config(source: object) -> object:
+    """The HF config of a checkpoint dir or a transformers PreTrainedModel."""
+    if isinstance(source, (str, os.PathLike)):
+        return load_hf_config(str(source))
+    if hasattr(source, "config") and hasattr(source, "named_parameters"):
+        return source.config
+    raise TypeError(
+        f"model must be a checkpoint path or a transformers PreTrainedModel, got {type(source).__name__}"
+    )
+
+
+def build_shard(hf_config: object, checkpoint: str | None, dtype: torch.dtype, device: torch.device,
+                tp: TPGroup | None = None) -> torch.nn.Module:
+    """One tensor-parallel rank's model (the whole model when ``tp`` is None), loaded from
+    ``checkpoint`` when given (each tensor sharded as it is read), else left for the caller to fill."""
+    with _default_dtype(dtype), torch.device(device):
+        model = get_model_class(hf_config)(hf_config, tp)
+    if checkpoint is not None:
+        load_checkpoint(model, checkpoint)
+    return model.eval()
 
 
 def load_tokenizer(source: object, tokenizer: object | None) -> object | None:

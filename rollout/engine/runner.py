@@ -17,7 +17,8 @@ import torch
 from rollout.engine.inputs import HostInputs
 from rollout.engine.plan import BatchPlan, SampleResult
 from rollout.layers.attention_metadata import AttentionMetadata
-from rollout.layers.sampler import SamplingTensors, sample
+from rollout.layers.parallel_sampler import sample_vocab_parallel
+from rollout.layers.sampler import SamplingTensors
 
 SAMPLING_FIELDS = (("temperature", torch.float32), ("top_k", torch.int64), ("top_p", torch.float32),
                    ("min_p", torch.float32), ("seed", torch.int64), ("position", torch.int64),
@@ -92,4 +93,5 @@ def forward_and_sample(model: torch.nn.Module, kv_layers: list[torch.Tensor], at
     hidden = model(input_ids, meta.positions, kv_layers, meta, attn_backend)
     if sampling is None:
         return None
-    return sample(model.compute_logits(hidden[sample_idx]), sampling)
+    # Under tensor parallelism the logits are this rank's vocabulary slice; at one rank this is ``sample``.
+    return sample_vocab_parallel(model.compute_logits(hidden[sample_idx]), sampling, model.tp, model.vocab_start)

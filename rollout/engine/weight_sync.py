@@ -37,9 +37,8 @@ class WeightSync:
                     raise RuntimeError(f"weight source changed between validation and copy at item {i}")
                 if is_ignored(name):
                     continue
-                param, rows = self.mapper.resolve(name)
-                dst = param.data if rows is None else param.data[rows]
-                dst.copy_(tensor.detach(), non_blocking=tensor.device.type == "cpu" and tensor.is_pinned())
+                self.mapper.resolve(name).write(
+                    tensor.detach(), non_blocking=tensor.device.type == "cpu" and tensor.is_pinned())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # copies ran on this stream; the engine computes on its own
         return len(seen)

@@ -1,8 +1,23 @@
-"""Fused projections: one GEMM for q/k/v and one for gate/up instead of three and two."""
+"""Fused projections: one GEMM for q/k/v and one for gate/up instead of three and two.
+
+``LoadSlice`` is how a layer tells the weight mapper where a Hugging Face tensor lands in it: which
+rows of our parameter (a fused projection's part) and, under tensor parallelism, which part of the
+full HF tensor this rank keeps. Layers without ``load_slices`` take their tensor whole.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSlice:
+    rows: slice | None = None  # rows of our parameter written; None = all of it
+    dim: int = 0  # dimension of the HF tensor split across tensor-parallel ranks
+    src: slice | None = None  # this rank's part of the HF tensor along ``dim``; None = all (replicated)
+    full: int = 0  # the HF tensor's size along ``dim`` (read only when ``src`` is set)
 
 
 class MergedLinear(nn.Linear):
@@ -25,3 +40,7 @@ class MergedLinear(nn.Linear):
             out[name] = slice(start, start + size)
             start += size
         return out
+
+    def load_slices(self, pname: str) -> dict[str | None, LoadSlice]:
+        """Sibling HF module name -> where its ``pname`` tensor lands (weight and bias alike)."""
+        return {name: LoadSlice(rows) for name, rows in self.shard_slices().items()}

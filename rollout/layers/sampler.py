@@ -60,14 +60,15 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
-def uniform_noise(seed: torch.Tensor, position: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """U(0, 1) per (row, vocab id), a pure function of (seed, position, id): [N, V] float32.
+def uniform_noise(seed: torch.Tensor, position: torch.Tensor, vocab_size: int, first_id: int = 0) -> torch.Tensor:
+    """U(0, 1) per (row, vocab id), a pure function of (seed, position, id): [N, V] float32 for ids
+    ``first_id ..`` (a vocabulary-parallel rank draws its slice's share of one-GPU noise).
 
     23 hash bits + 0.5 fit a float32 exactly, so U is strictly inside (0, 1) (with 24 bits the top
     value rounded to 1.0, E = -log U was 0 and that token won the race whatever its probability)."""
     s = (seed ^ (seed >> 32)) & _M32
     h = _mix32(s ^ _mix32(((position & _M32) + 0x3C6EF372) & _M32))
-    ids = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)
+    ids = torch.arange(first_id, first_id + vocab_size, device=seed.device, dtype=torch.int64)
     return hash_to_unit(_mix32((h[:, None] + ids[None, :] * 0x1B873593) & _M32))
 
 

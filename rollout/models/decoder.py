@@ -21,10 +21,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from rollout.distributed.group import TPGroup
 from rollout.layers.activation import check_activation, silu_and_mul
 from rollout.layers.attention_metadata import AttentionMetadata
-from rollout.layers.linear import MergedLinear
 from rollout.layers.norm import RMSNorm
+from rollout.layers.parallel import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_shards,
+    kv_head_slice,
+    qkv_shards,
+)
 from rollout.layers.rotary import RotaryEmbedding, rotate_qk
 
 
@@ -62,24 +71,25 @@ def layer_type_windows(hf_config: Any) -> tuple[int | None, ...] | None:
 
 
 class Attention(nn.Module):
-    def __init__(self, hf_config: Any, spec: DecoderSpec, sliding_window: int | None) -> None:
+    """Under tensor parallelism this rank's q heads and the KV heads they read (see ``qkv_shards``)."""
+
+    def __init__(self, hf_config: Any, spec: DecoderSpec, sliding_window: int | None, tp: TPGroup) -> None:
         super().__init__()
         hidden = hf_config.hidden_size
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = hf_config.num_key_value_heads
+        heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
         self.head_dim = head_dim_of(hf_config)
-        if self.num_heads % self.num_kv_heads:
+        if heads % kv_heads:
             raise ValueError(
-                f"num_attention_heads ({self.num_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_kv_heads})"
+                f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
             )
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shards = qkv_shards(heads, kv_heads, self.head_dim, tp)
+        q_size, kv_size = (s.stop - s.start for _, _, s in shards[:2])
+        self.num_heads, self.num_kv_heads = q_size // self.head_dim, kv_size // self.head_dim
         self.sizes = (q_size, kv_size, kv_size)
         self.scale = self.head_dim**-0.5
         self.sliding_window = sliding_window
-        shards = (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size))
-        self.qkv_proj = MergedLinear(hidden, shards, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(q_size, hidden, bias=spec.o_bias)
+        self.qkv_proj = MergedColumnParallelLinear(hidden, shards, bias=spec.qkv_bias)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, spec.o_bias, tp, "num_attention_heads")
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
@@ -107,23 +117,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hf_config: Any, spec: DecoderSpec) -> None:
+    def __init__(self, hf_config: Any, spec: DecoderSpec, tp: TPGroup) -> None:
         super().__init__()
         check_activation(hf_config.hidden_act)
         hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
-        shards = (("gate_proj", inter), ("up_proj", inter))
-        self.gate_up_proj = MergedLinear(hidden, shards, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=spec.mlp_bias)
+        shards = column_shards(("gate_proj", "up_proj"), inter, tp, "intermediate_size")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, shards, bias=spec.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, hidden, spec.mlp_bias, tp, "intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hf_config: Any, spec: DecoderSpec, sliding_window: int | None) -> None:
+    def __init__(self, hf_config: Any, spec: DecoderSpec, sliding_window: int | None, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = Attention(hf_config, spec, sliding_window)
-        self.mlp = MLP(hf_config, spec)
+        self.self_attn = Attention(hf_config, spec, sliding_window, tp)
+        self.mlp = MLP(hf_config, spec, tp)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -154,13 +164,13 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """HF's ``model.`` submodule: embeddings, layers, final norm (plus the shared rotary table)."""
 
-    def __init__(self, hf_config: Any, spec: DecoderSpec) -> None:
+    def __init__(self, hf_config: Any, spec: DecoderSpec, tp: TPGroup) -> None:
         super().__init__()
         n = hf_config.num_hidden_layers
         windows = spec.sliding_windows or (None,) * n
         assert len(windows) == n, (windows, n)
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(hf_config, spec, windows[i]) for i in range(n))
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(hf_config, spec, windows[i], tp) for i in range(n))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config))
 
@@ -183,19 +193,27 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """The interface the model runner calls; family classes only choose the ``DecoderSpec``."""
+    """The interface the model runner calls; family classes only choose the ``DecoderSpec``.
 
-    def __init__(self, hf_config: Any, spec: DecoderSpec) -> None:
+    ``tp`` (default: one rank) makes this one rank's shard: ``num_kv_heads`` is then this rank's KV
+    heads (what its KV cache holds) and ``compute_logits`` returns its slice of the vocabulary,
+    ``[vocab_start, vocab_start + vocab_size / world_size)``, for the vocabulary-parallel sampler.
+    """
+
+    def __init__(self, hf_config: Any, spec: DecoderSpec, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp = tp or TPGroup.single()
         self.hf_config = hf_config
         self.num_layers = hf_config.num_hidden_layers
-        self.num_kv_heads = hf_config.num_key_value_heads
         self.head_dim = head_dim_of(hf_config)
         self.vocab_size = hf_config.vocab_size
         self.max_position_embeddings = hf_config.max_position_embeddings
         self.sliding_windows = spec.sliding_windows or (None,) * self.num_layers
-        self.model = DecoderModel(hf_config, spec)
-        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.model = DecoderModel(hf_config, spec, tp)
+        kv = kv_head_slice(hf_config.num_key_value_heads, tp.rank, tp.world_size)
+        self.num_kv_heads = kv.stop - kv.start
+        self.lm_head = ParallelLMHead(hf_config.hidden_size, hf_config.vocab_size, tp)
+        self.vocab_start = self.lm_head.rows.start
         if getattr(hf_config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight  # one storage: updates reach both
 

@@ -74,13 +74,13 @@ def load_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torc
     written when either of their names arrived.
     """
     mapper = WeightMapper(model)
-    written: set[tuple[int, int | None]] = set()
+    names = []
     for name, tensor in named_tensors:
         if is_ignored(name):
             continue
         mapper.copy_(name, tensor.detach())
-        written.add(_target_key(mapper, name))
-    missing = [name for name in mapper.hf_names() if _target_key(mapper, name) not in written]
+        names.append(name)
+    missing = missing_weights(mapper, names)
     if missing:
         name = type(model).__name__
         raise ValueError(f"{len(missing)} weight(s) of {name} were not provided: {missing[:8]}")
@@ -91,6 +91,12 @@ def load_checkpoint(model: nn.Module, path: str | Path) -> None:
     load_named_tensors(model, iter_checkpoint(path))
 
 
+def missing_weights(mapper: WeightMapper, names: Iterable[str]) -> list[str]:
+    """Accepted names none of ``names`` wrote (a tied weight counts as written under either name)."""
+    written = {_target_key(mapper, name) for name in names}
+    return [name for name in mapper.hf_names() if _target_key(mapper, name) not in written]
+
+
 def _target_key(mapper: WeightMapper, name: str) -> tuple[int, int | None]:
-    param, rows = mapper.resolve(name)
-    return id(param), None if rows is None else rows.start
+    target = mapper.resolve(name)
+    return id(target.param), None if target.rows is None else target.rows.start

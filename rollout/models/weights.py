@@ -1,21 +1,50 @@
-"""Hugging Face parameter name -> our parameter (and row slice): the one mapping used by checkpoint
+"""Hugging Face parameter name -> our parameter (and its part of it): the one mapping used by checkpoint
 loading and by ``Engine.update_weights``.
 
 The mapping is derived from the model itself: every parameter maps to the name it has, except those
 of a ``MergedLinear``, whose rows are split back into the stacked HF projections (``q_proj`` /
 ``k_proj`` / ``v_proj`` -> ``qkv_proj``; ``gate_proj`` / ``up_proj`` -> ``gate_up_proj``). With tied
 embeddings ``lm_head.weight`` is the embedding's Parameter, so it maps onto that same storage.
+
+Under tensor parallelism the model is one rank's shard: names and expected shapes stay those of the
+full HF tensors, and each target also says which part of the full tensor this rank keeps (a layer's
+``load_slices``), so every caller passes full tensors and sharding happens here, on arrival.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
+
+from rollout.layers.linear import LoadSlice
 
 # Buffers some checkpoints and state dicts carry; recomputed by us, so accepted and dropped.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-Target = tuple[nn.Parameter, slice | None]
+
+class Target(NamedTuple):
+    """Where one HF tensor goes: rows of our parameter, from this rank's part of the full tensor."""
+
+    param: nn.Parameter
+    where: LoadSlice
+
+    @property
+    def rows(self) -> slice | None:
+        return self.where.rows
+
+    def dst(self) -> torch.Tensor:
+        """The part of the parameter this name writes (a view)."""
+        return self.param.data if self.where.rows is None else self.param.data[self.where.rows]
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full HF tensor (a view)."""
+        w = self.where
+        return tensor if w.src is None else tensor.narrow(w.dim, w.src.start, w.src.stop - w.src.start)
+
+    def write(self, tensor: torch.Tensor, non_blocking: bool = False) -> None:
+        self.dst().copy_(self.take(tensor), non_blocking=non_blocking)
 
 
 def is_ignored(hf_name: str) -> bool:
@@ -30,33 +59,34 @@ class WeightMapper:
         self._targets: dict[str, Target] = {}
         for mod_name, module in model.named_modules(remove_duplicate=False):
             prefix = f"{mod_name}." if mod_name else ""
-            shards = module.shard_slices() if hasattr(module, "shard_slices") else None
+            parent = mod_name.rpartition(".")[0]
+            parent = f"{parent}." if parent else ""
             for pname, param in module.named_parameters(recurse=False):
-                if shards is None:
-                    self._targets[prefix + pname] = (param, None)
-                    continue
-                parent = mod_name.rpartition(".")[0]
-                parent = f"{parent}." if parent else ""
-                for shard_name, rows in shards.items():
-                    self._targets[f"{parent}{shard_name}.{pname}"] = (param, rows)
+                slices = module.load_slices(pname) if hasattr(module, "load_slices") else {None: LoadSlice()}
+                for hf_module, where in slices.items():  # None: the module's own name
+                    name = prefix + pname if hf_module is None else f"{parent}{hf_module}.{pname}"
+                    self._targets[name] = Target(param, where)
 
     def hf_names(self) -> list[str]:
         """Every name accepted, ``lm_head.weight`` included when tied (it aliases the embedding)."""
         return list(self._targets)
 
     def resolve(self, hf_name: str) -> Target:
-        """(our parameter, dim-0 rows or None for the whole tensor); KeyError for an unknown name."""
+        """Where ``hf_name`` lands; KeyError for an unknown name."""
         try:
             return self._targets[hf_name]
         except KeyError:
             raise KeyError(self._unknown_message(hf_name)) from None
 
     def expected_shape(self, hf_name: str) -> tuple[int, ...]:
-        param, rows = self.resolve(hf_name)
-        shape = tuple(param.shape)
-        if rows is None:
-            return shape
-        return (rows.stop - rows.start, *shape[1:])
+        """The full HF tensor's shape (whatever part of it this rank keeps)."""
+        param, w = self.resolve(hf_name)
+        shape = list(param.shape)
+        if w.rows is not None:
+            shape[0] = w.rows.stop - w.rows.start
+        if w.src is not None:
+            shape[w.dim] = w.full
+        return tuple(shape)
 
     def validate(self, hf_name: str, tensor: object) -> None:
         """Raise TypeError/ValueError naming the tensor unless ``copy_`` would accept it."""
@@ -78,10 +108,8 @@ class WeightMapper:
         self.validate(hf_name, tensor)
         if is_ignored(hf_name):
             return
-        param, rows = self._targets[hf_name]
         with torch.no_grad():
-            dst = param.data if rows is None else param.data[rows]
-            dst.copy_(tensor)
+            self._targets[hf_name].write(tensor)
 
     def _unknown_message(self, hf_name: str) -> str:
         example = next(iter(self._targets), "")
