@@ -47,6 +47,7 @@ class EngineStats:
     policy_version: int
     gpu_compute_s: float | None = None  # cumulative compute-stream time: a window's busy = delta / its wall
     bytes_read: int = 0  # cumulative bytes the steps had to read (weights + live KV): the byte floor's numerator
+    kv_cache_usage_sum: float = 0.0  # kv_cache_usage summed over steps: a window's mean = delta / delta num_steps
 
 
 class Engine:
@@ -79,7 +80,7 @@ class Engine:
         self._inflight: PendingStep | None = None
         self._lock = threading.RLock()
         self._finished: list[RequestOutput] = []
-        self._stats = dict(steps=0, generated=0, prompt=0, scheduled=0, bytes=0)
+        self._stats = dict(steps=0, generated=0, prompt=0, scheduled=0, bytes=0, kv_usage=0.0)
         self._weight_bytes = model.weight_bytes_per_step()
         self._t_first: float | None = None
         self._t_last = 0.0
@@ -151,6 +152,7 @@ class Engine:
             if plan is not None:
                 self._stats["steps"] += 1
                 self._stats["scheduled"] += len(plan.seqs)
+                self._stats["kv_usage"] += self.block_manager.usage
                 self._stats["bytes"] += self._weight_bytes + sum(sp.seq_len for sp in plan.seqs) * self.kv.token_bytes
                 seqs = self.scheduler.seqs
                 self._stats["prompt"] += sum(
@@ -316,4 +318,4 @@ class Engine:
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, self.block_manager.usage,
                            s["steps"], self.scheduler.num_preemptions, s["generated"], s["prompt"],
                            s["scheduled"], busy, self.policy_version,
-                           compute_ms / 1e3 if self.device.type == "cuda" else None, s["bytes"])
+                           compute_ms / 1e3 if self.device.type == "cuda" else None, s["bytes"], s["kv_usage"])

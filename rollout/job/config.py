@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from rollout.config import EngineConfig
-from rollout.job.rewards import REWARDS
+from rollout.job.rewards import check_reward_spec
 from rollout.sampling_params import LOGPROBS_MODES, SamplingParams
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -134,7 +134,7 @@ class RolloutConfig:
         if self.torch_threads is not None:
             _int("rollout.torch_threads", self.torch_threads, lo=1, allowed="an int >= 1 or null")
         if self.reward is not None:
-            _choice("rollout.reward", self.reward, tuple(REWARDS), f"one of {sorted(REWARDS)} or null")
+            check_reward_spec(self.reward)  # a shipped name or 'package.module:function'
 
 
 @dataclass(frozen=True, slots=True)
