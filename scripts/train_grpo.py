@@ -134,7 +134,12 @@ def train_grpo(job: JobConfig, train: TrainConfig) -> Path:
     log.info("GRPO (%s) on %s: %d steps x %d prompts x %d samples, reward %s, engine on %s",
              train.trainer, checkpoint.name, train.steps, job.data.num_prompts, job.sampling.n, train.reward,
              engine.device)
-    trainer.train()
+    exit_code = 1
+    try:
+        trainer.train()
+        exit_code = 0
+    finally:
+        setup.finish_wandb(exit_code)
     log.info(steps.log.summary())
     return out
 

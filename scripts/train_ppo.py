@@ -73,7 +73,7 @@ def load_config(raw: dict[str, Any]) -> tuple[JobConfig, TrainConfig]:
 
 def run(cfg: DictConfig, on_push: Any = None) -> Path:
     """Train as the composed config says; returns output_dir. Used by main() and by tests (``on_push``
-    is called with the version after every weight push)."""
+    is called with the ``EnginePPO`` after every weight push)."""
     try:
         raw = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as e:

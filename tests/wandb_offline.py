@@ -41,8 +41,10 @@ def _records(path: Path) -> Iterator[bytes]:
 
 def read_run(root: str | Path) -> tuple[set[str], set[str]]:
     """(history keys, top-level config keys) of the single offline run under ``root`` (searched recursively)."""
+    import wandb
     from wandb.proto import wandb_internal_pb2 as pb
 
+    wandb.teardown()  # the wandb-core service writes the file asynchronously; this waits for it to finish
     files = sorted(Path(root).rglob("run-*.wandb"))
     assert len(files) == 1, f"expected one offline W&B run under {root}, found {files}"
     history, config = set(), set()
@@ -52,6 +54,7 @@ def read_run(root: str | Path) -> tuple[set[str], set[str]]:
         kind = record.WhichOneof("record_type")
         if kind == "history":
             history.update(i.key or "/".join(i.nested_key) for i in record.history.item)
-        elif kind == "config":
-            config.update(u.key or u.nested_key[0] for u in record.config.update)
+        elif kind in ("config", "run"):  # wandb.init(config=...) rides on the run record
+            updates = record.config.update if kind == "config" else record.run.config.update
+            config.update(u.key or u.nested_key[0] for u in updates)
     return history, config

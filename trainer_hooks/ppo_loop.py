@@ -53,13 +53,13 @@ class EnginePPO:
     """PPO with an engine generating for ``policy``; ``value_model`` and the frozen ``ref_model`` live beside it.
 
     ``reward_fn`` has TRL's signature. ``sleep_level`` 1/2 frees the engine's KV cache (and weights) while
-    training. ``on_push(version)`` runs after every push (checks, tests). ``seconds`` keeps running totals of
+    training. ``on_push(self)`` runs after every push (checks, tests). ``seconds`` keeps running totals of
     generation and weight-push time.
     """
 
     def __init__(self, engine_or_actor: Any, policy: nn.Module, value_model: ValueModel, ref_model: nn.Module,
                  tokenizer: Any, reward_fn: Callable[..., list[Any]], config: PPOConfig, sampling: SamplingParams,
-                 sleep_level: int = 0, bf16: bool = False, on_push: Callable[[int], None] | None = None) -> None:
+                 sleep_level: int = 0, bf16: bool = False, on_push: Callable[[EnginePPO], None] | None = None) -> None:
         if sampling.temperature <= 0:
             raise ValueError(f"sampling.temperature={sampling.temperature} is invalid for PPO: must be > 0")
         self.target, self.engine = engine_or_actor, resolve_engine(engine_or_actor)
@@ -94,7 +94,7 @@ class EnginePPO:
         self._push_s.append(seconds)
         self.seconds["weight_push"] += seconds
         if self.on_push is not None:
-            self.on_push(self.version)
+            self.on_push(self)
 
     # ---- generation and scoring -----------------------------------------------------------------------
     def rollout(self, rows: list[dict[str, Any]]) -> RolloutBatch:

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,16 @@ def wandb_env(cfg: WandbConfig, output_dir: Path) -> list[str]:
             env[key] = value
     os.environ.update(env)
     return ["wandb"]
+
+
+def finish_wandb(exit_code: int = 0) -> None:
+    """Close the run a transformers trainer opened (it leaves it open), so the offline run is complete."""
+    if "wandb" not in sys.modules:
+        return
+    import wandb
+
+    if wandb.run is not None:
+        wandb.finish(exit_code=exit_code)
 
 
 # ---- the per-step log -----------------------------------------------------------------------------------
