@@ -134,8 +134,14 @@ class ValueModel(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str, **kwargs: Any) -> ValueModel:
         from transformers import AutoModel
+        from transformers.utils import logging as hf_logging
 
-        trunk = AutoModel.from_pretrained(path, **kwargs)
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # the checkpoint's lm_head is expected to go unused: no load report
+        try:
+            trunk = AutoModel.from_pretrained(path, **kwargs)
+        finally:
+            hf_logging.set_verbosity(level)
         return cls(trunk, trunk.config.get_text_config().hidden_size)
 
     def forward(self, seqs: Sequences) -> torch.Tensor:
