@@ -1,18 +1,20 @@
-"""The main job: rounds of rollouts over a prompt dataset -> output_dir/trajectories.parquet.
+"""The main job: rounds of rollouts over a prompt dataset -> output_dir/trajectories/round_NNNNN.parquet.
 
     python scripts/rollout.py                     # the embedded default: offline, < 1 min on CPU
     python scripts/rollout.py model.path=/ckpt data.path=prompts.jsonl sampling.n=8 rollout.rounds=10
     python scripts/rollout.py --multirun sampling.temperature=0.7,1.0
 
-Writes trajectories.parquet (after every round, atomically), metrics.jsonl (one line per round),
-config.json (the resolved config; a resume must match it) and a wandb/ run dir, all under output_dir.
-Everything a user can get wrong is checked before any generation; the script then prints
-``error: ...`` and exits with status 2 instead of a traceback.
+Writes trajectories/round_NNNNN.parquet (one file per round, atomically), metrics.jsonl (one line per
+round), config.json (the resolved config and the job seed; a resume must match it) and a wandb/ run
+dir, all under output_dir, which the job locks for its lifetime. Everything a user can get wrong,
+every dataset row included, is checked before anything is written; the script then prints
+``error: ...`` and exits with status 2 instead of a traceback. Progress goes through ``logging``, so
+Hydra's console and its rollout.log both get it.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 import os
 import sys
 from pathlib import Path
@@ -30,6 +32,7 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 from rollout.job.config import JobConfig  # noqa: E402
 
 USER_ERRORS = (ValueError, FileNotFoundError)
+log = logging.getLogger("rollout")
 
 
 def run(cfg: DictConfig) -> Path:
@@ -44,50 +47,74 @@ def run(cfg: DictConfig) -> Path:
 
 
 def run_job(job: JobConfig) -> Path:
+    """Check and load everything, then write config.json and run the rounds, holding output_dir throughout."""
+    from rollout.job.output_dir import OutputDirLock
+    from rollout.job.trajectory_writer import TrajectoryWriter
+
+    job.sampling.to_params()  # a sampling combination the engine refuses stops the job here
+    writer = TrajectoryWriter(job.output_dir, with_reward=job.rollout.reward is not None)
+    with OutputDirLock(writer.dir):
+        return _run_locked(job, writer)
+
+
+def _run_locked(job: JobConfig, writer: Any) -> Path:
+    from rollout.job import setup
     from rollout.job.actor import RolloutActor
     from rollout.job.data import load_prompt_dataset
     from rollout.job.rewards import get_reward_fn
-    from rollout.job.trajectory_writer import TrajectoryWriter
+    from rollout.job.snapshots import SnapshotWatcher
     from rollout.job.wandb_logger import WandbLogger
 
     reward_fn = get_reward_fn(job.rollout.reward)
-    writer = TrajectoryWriter(job.output_dir, with_reward=reward_fn is not None)
-    start = _start_round(job, writer)
-    if start >= job.rollout.rounds:
-        print(f"nothing to do: {start} of {job.rollout.rounds} rounds already in {writer.dir}")
+    start = setup.start_point(job, writer)
+    if start.round >= job.rollout.rounds:
+        log.info("nothing to do: %d of %d rounds already in %s", start.round, job.rollout.rounds, writer.dir)
         return writer.dir
-    model_dir = _model_dir(job)
-    tokenizer = _load_tokenizer(job.model.tokenizer or model_dir, explicit=job.model.tokenizer is not None)
+    params = job.sampling.to_params()
+    watcher = SnapshotWatcher(job.rollout.weights_from) if job.rollout.weights_from is not None else None
+    model_dir = setup.model_dir(job)
+    tokenizer = setup.load_tokenizer(job.model.tokenizer or model_dir, explicit=job.model.tokenizer is not None)
     dataset = load_prompt_dataset(job.data, tokenizer, require_answer=reward_fn is not None)
-    engine = _load_engine(job, model_dir, tokenizer)
+    engine = setup.load_engine(job, model_dir, tokenizer)
+    dataset.check(setup.prompt_limits(engine), params, where=f"data.path={job.data.path or 'embedded'!r}")
     logger = WandbLogger(job.logger.wandb, writer.dir, job.to_dict())  # may refuse (online, no account)
-    writer.save_config(job.to_dict())  # only now: a run refused above leaves output_dir reusable
+    writer.save_config(setup.config_record(job, start.job_seed))  # only now: a refused run leaves no trace
     run_dir = logger.run_dir
     actor = RolloutActor(
         engine,
         dataset,
-        job.sampling.to_params(),
+        params,
         job.data.num_prompts,
         reward_fn,
-        start_round=start,
+        start_round=start.round,
         log_every_steps=job.logger.log_every_steps,
         on_step=logger.log_step,
         progress=job.logger.progress,
+        seed=start.job_seed,
+        mode=job.rollout.mode,
+        max_staleness=job.rollout.max_staleness,
+        stale_groups=job.rollout.stale_groups,
+        recompute_running=job.rollout.recompute_running,
+        max_inflight_groups=job.rollout.max_inflight_groups,
+        state=start.state,
     )
     exit_code = 1
     threads = torch_threads(job.rollout.torch_threads)
     try:
-        for _ in range(start, job.rollout.rounds):
+        for _ in range(start.round, job.rollout.rounds):
+            if watcher is not None:
+                watcher.load_newest(actor)  # between rounds: the round's tokens carry its step
             result = actor.run_round()
-            writer.write_round(result.trajectories, result.metrics)
-            logger.log_round(result.metrics, [len(t.completion_ids) for t in result.trajectories])
-            print(_summary(result.metrics), flush=True)
+            writer.write_round(result.round, result.trajectories, result.metrics, actor.state())
+            lengths = [len(t.completion_ids) for t in result.trajectories]
+            logger.log_round(result.metrics, {"completion_len": lengths, "staleness": result.staleness})
+            log.info(_summary(result.metrics))
         exit_code = 0
     finally:
         torch_threads(threads)
         logger.finish(exit_code)
     where = f" (wandb run: {run_dir})" if run_dir is not None else ""
-    print(f"wrote {writer.num_rows} trajectories to {writer.dir / 'trajectories.parquet'}{where}")
+    log.info("wrote %d trajectories to %s%s", writer.num_rows, writer.rounds_dir, where)
     return writer.dir
 
 
@@ -101,70 +128,13 @@ def torch_threads(n: int | None) -> int:
     return previous
 
 
-def _start_round(job: JobConfig, writer: Any) -> int:
-    """0 for a fresh run; after the last complete round for a resume whose config matches."""
-    if not job.rollout.resume:
-        if writer.has_previous_run:
-            raise ValueError(
-                f"output_dir={job.output_dir!r} already holds a run; set rollout.resume=true to continue it "
-                "or choose another output_dir"
-            )
-        return 0
-    saved = writer.saved_config()
-    if saved is None:
-        if writer.has_previous_run:
-            raise ValueError(f"cannot resume in {job.output_dir!r}: its config.json is missing")
-        print(f"rollout.resume=true but {writer.dir} holds no run yet: starting at round 0")
-        return 0
-    mismatches = job.resume_mismatches(saved)
-    if mismatches:
-        raise ValueError(
-            f"cannot resume in {job.output_dir!r}: the config differs from the saved one in "
-            + "; ".join(mismatches)
-        )
-    start = writer.resume()
-    print(f"resuming after {start} complete round(s) in {writer.dir}")
-    return start
-
-
-def _model_dir(job: JobConfig) -> Path:
-    from rollout.assets import check_checkpoint_dir, materialize_default_model
-
-    if job.model.path is not None:
-        return check_checkpoint_dir(job.model.path)
-    return materialize_default_model(job.model.cache_dir, seed=job.model.seed)
-
-
-def _load_tokenizer(path: str | Path, explicit: bool) -> Any:
-    """The tokenizer at ``path``; a checkpoint without tokenizer files gives None (token-id prompts only)."""
-    p = Path(path).expanduser()
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not p.is_dir() or not any((p / n).exists() for n in names):
-        if explicit:
-            raise FileNotFoundError(f"model.tokenizer={str(path)!r} is not a directory with tokenizer files")
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(p))
-
-
-def _load_engine(job: JobConfig, model_dir: Path, tokenizer: Any) -> Any:
-    from rollout import Engine
-
-    options = dataclasses.asdict(job.engine)
-    try:
-        return Engine.from_pretrained(
-            str(model_dir), dtype=job.model.dtype, device=job.model.device, tokenizer=tokenizer, **options
-        )
-    except (ValueError, KeyError, OSError) as e:  # e.g. an architecture the engine lacks, a missing tensor
-        raise ValueError(f"cannot load the model in {str(model_dir)!r}: {e}") from None
-
-
 def _summary(m: dict[str, Any]) -> str:
     reward = f", reward {m['reward_mean']:.3f}" if "reward_mean" in m else ""
+    carried = f", {m['carried_over_groups']} groups carried over" if m["carried_over_groups"] else ""
+    dropped = f", {m['dropped_groups']} dropped as stale" if m["dropped_groups"] else ""
     return (
         f"round {m['round']}: {m['num_samples']} samples, {m['generated_tokens']} tokens in "
-        f"{m['round_time_s']:.2f}s ({m['generated_tokens_per_s']:.0f} tok/s){reward}"
+        f"{m['round_time_s']:.2f}s ({m['generated_tokens_per_s']:.0f} tok/s){reward}{carried}{dropped}"
     )
 
 
@@ -173,8 +143,17 @@ def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
     except USER_ERRORS as e:
+        _to_log_files(f"error: {e}")
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def _to_log_files(message: str) -> None:
+    """Record an error in Hydra's log file too; the console already gets it on stderr, once."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ def train_grpo(job: JobConfig, train: TrainConfig) -> Path:
     out = Path(job.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     setup.torch_threads(train.torch_threads)
-    checkpoint = setup.model_dir(job.model)
+    checkpoint = setup.model_dir(job)
     tokenizer = setup.load_tokenizer(job, checkpoint)
     dataset = setup.build_dataset(job.data, tokenizer, train.reward)
     reward = load_reward(train.reward, "train.reward")

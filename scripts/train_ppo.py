@@ -96,7 +96,7 @@ def train_ppo(job: JobConfig, train: TrainConfig, on_push: Any = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     setup.torch_threads(train.torch_threads)
     torch.manual_seed(train.seed)
-    checkpoint = setup.model_dir(job.model)
+    checkpoint = setup.model_dir(job)
     tokenizer = setup.load_tokenizer(job, checkpoint)
     dataset = setup.build_dataset(job.data, tokenizer, train.reward)
     reward = load_reward(train.reward, "train.reward")

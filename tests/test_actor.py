@@ -2,87 +2,22 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
-import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
 from rollout.assets import assets_dir, check_checkpoint_dir, materialize_default_model
-from rollout.engine.engine import EngineStats
 from rollout.job.actor import RolloutActor
 from rollout.job.config import DataConfig
 from rollout.job.data import PromptDataset, load_prompt_dataset
+from rollout.job.output_dir import prepare_output_dir
 from rollout.job.rewards import exact_match
-from rollout.job.trajectory_writer import TrajectoryWriter, prepare_output_dir
-from rollout.outputs import CompletionOutput, RequestOutput
+from rollout.job.trajectory_writer import TrajectoryWriter, read_trajectories
 from rollout.sampling_params import SamplingParams
-
-
-def zero_stats() -> EngineStats:
-    """The engine's own stats record, all counters at zero (the fake engine mutates it as it steps)."""
-    return EngineStats(**{f.name: (None if "gpu" in f.name else 0) for f in dataclasses.fields(EngineStats)})
-
-
-@dataclass
-class FakeEngine:
-    """Scripted engine: sample i of a request emits one token per step and stops after 1 + (i + len) % 5
-    tokens ("length" if that reaches max_tokens). Text is the answer-ish ``str(len(prompt))``."""
-
-    policy_version: int = 0
-    tokenizer: object = None
-    stats: EngineStats = field(default_factory=zero_stats)
-    requests: dict = field(default_factory=dict)
-    added: list = field(default_factory=list)
-    refuse_after: int | None = None
-
-    def add_request(self, prompt, params, request_id=None):
-        if self.refuse_after is not None and len(self.requests) >= self.refuse_after:
-            raise ValueError("prompt too long")
-        self.added.append((request_id, list(prompt), params))
-        wanted = [min(1 + (i + len(prompt)) % 5, params.max_tokens) for i in range(params.n)]
-        outs = [CompletionOutput(i) for i in range(params.n)]
-        self.requests[request_id] = (prompt, params, wanted, outs)
-        self.stats.num_prompt_tokens += len(prompt)
-        return request_id
-
-    def abort(self, request_id):
-        self.requests.pop(request_id, None)
-
-    def has_unfinished_requests(self):
-        return bool(self.requests)
-
-    def step(self):
-        self.stats.num_steps += 1
-        done = []
-        for rid, (prompt, params, wanted, outs) in list(self.requests.items()):
-            for out, want in zip(outs, wanted):
-                if out.finish_reason is None:
-                    out.token_ids.append(7)
-                    out.logprobs.append(-0.5)
-                    out.policy_versions.append(self.policy_version)
-                    self.stats.num_generated_tokens += 1
-                    self.stats.num_scheduled_seqs += 1
-                    if len(out.token_ids) == want:
-                        out.finish_reason = "length" if want == params.max_tokens else "stop"
-                        out.text = f"so {len(prompt)}"
-            if all(o.finish_reason for o in outs):
-                done.append(RequestOutput(rid, list(prompt), outs, None, True))
-                del self.requests[rid]
-        self.stats.num_running_seqs = sum(len(r[3]) for r in self.requests.values())
-        self.stats.kv_cache_usage = self.stats.num_running_seqs / 100
-        return done
-
-    def get_stats(self):
-        return dataclasses.replace(self.stats, policy_version=self.policy_version)
-
-    def update_weights(self, named_tensors, version=None):
-        self.policy_version = self.policy_version + 1 if version is None else version
-        return self.policy_version
+from tests.job_fakes import FakeEngine
 
 
 @pytest.fixture(scope="module")
@@ -238,14 +173,15 @@ def test_writer_rounds_resume_and_torn_metrics(tmp_path: Path, tokenizer) -> Non
     writer.save_config({"a": 1})
     for _ in range(2):
         res = actor.run_round()
-        writer.write_round(res.trajectories, res.metrics)
-    table = pq.read_table(tmp_path / "trajectories.parquet")
+        writer.write_round(res.round, res.trajectories, res.metrics)
+    table = read_trajectories(tmp_path)
     assert table.num_rows == 8 and table.column("round").to_pylist() == [0] * 4 + [1] * 4
     assert set(table.column_names) >= {"prompt_ids", "completion_ids", "logprobs", "finish_reason", "reward"}
     with open(tmp_path / "metrics.jsonl", "a") as f:  # a line for a round whose parquet never landed
         f.write(json.dumps({"round": 2}) + "\n{torn")
     again = TrajectoryWriter(tmp_path, with_reward=True)
     assert again.has_previous_run and again.saved_config() == {"a": 1} and again.resume() == 2
+    assert again.num_rows == 8
     assert [json.loads(x)["round"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1]
     with pytest.raises(ValueError, match="columns"):
         TrajectoryWriter(tmp_path, with_reward=False).resume()

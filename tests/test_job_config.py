@@ -47,7 +47,7 @@ def test_overrides_reach_the_dataclasses() -> None:
     assert job.logger.wandb.mode == "disabled" and job.engine.max_num_seqs == 8
     assert job.output_dir == "/tmp/x"
     params = job.sampling.to_params()
-    assert isinstance(params, SamplingParams) and params.greedy and params.n == 3
+    assert isinstance(params, SamplingParams) and params.temperature == 0 and params.n == 3
     assert params.stop == ["x", "yz"]
 
 
@@ -79,12 +79,45 @@ def test_round_trip() -> None:
         ("engine.block_size=3", "engine.block_size must be a power of two, got 3"),
         ("engine.max_num_seqs=0", "engine.max_num_seqs must be >= 1, got 0"),
         ("+sampling.beam_width=2", "unknown key(s) ['sampling.beam_width']"),
+        # bools are YAML bools everywhere, and the error says so (issue 8, item 11)
+        ("engine.async_mode=maybe", "engine.async_mode='maybe' is invalid: must be true, false or null (a YAML"),
+        ("engine.enable_prefix_caching=maybe", "engine.enable_prefix_caching='maybe' is invalid: must be true or"),
+        ("engine.cuda_graphs=maybe", "engine.cuda_graphs='maybe' is invalid: must be true, false or null"),
+        ("engine.async_mode=1", "engine.async_mode=1 is invalid: must be true, false or null"),
+        ("data.shuffle=1", "data.shuffle=1 is invalid: must be true or false (a YAML bool: 1, 0 and strings"),
+        ("engine.gpu_memory_utilization=abc", "engine.gpu_memory_utilization='abc' is invalid: must be a finite"),
+        ("engine.cpu_kv_cache_gib=inf", "engine.cpu_kv_cache_gib=inf is invalid: must be a finite number"),
+        ("engine.attention_backend=3", "engine.attention_backend=3 is invalid: must be a non-empty string"),
+        ("model.device=tpu", "model.device='tpu' is invalid: must be null (cuda if available, else cpu), 'cpu'"),
+        ("sampling.temperature=inf", "sampling.temperature=inf is invalid"),
+        ("rollout.mode=eager", "rollout.mode='eager' is invalid: must be one of ['drain', 'partial']"),
+        ("rollout.max_staleness=1", "rollout.max_staleness=1 is invalid: must be null with rollout.mode=drain"),
+        ("rollout.stale_groups=keep", "rollout.stale_groups='keep' is invalid: must be one of ['drop', 'regen"),
+        ("rollout.recompute_running=1", "rollout.recompute_running=1 is invalid: must be true or false"),
     ],
 )
 def test_bad_values_name_key_value_and_range(override: str, needle: str) -> None:
     with pytest.raises(ValueError) as info:
         JobConfig.from_dict(composed(override))
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1", None])
+def test_device_values_accepted(device) -> None:
+    assert JobConfig.from_dict({"output_dir": "/x", "model": {"device": device}}).model.device == device
+
+
+def test_partial_mode_keys() -> None:
+    job = JobConfig.from_dict(
+        composed("rollout.mode=partial", "rollout.max_staleness=2", "rollout.stale_groups=regenerate",
+                 "rollout.max_inflight_groups=16", "rollout.recompute_running=false")
+    )
+    r = job.rollout
+    assert (r.mode, r.max_staleness, r.stale_groups, r.max_inflight_groups, r.recompute_running) == (
+        "partial", 2, "regenerate", 16, False
+    )
+    with pytest.raises(ValueError, match="rollout.max_staleness=-1 is invalid: must be an int >= 0 or null"):
+        JobConfig.from_dict(composed("rollout.mode=partial", "rollout.max_staleness=-1"))
 
 
 def test_output_dir_is_required() -> None:

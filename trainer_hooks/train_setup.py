@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rollout.job.config import DataConfig, JobConfig, ModelConfig, WandbConfig
+from rollout.job.config import DataConfig, JobConfig, WandbConfig
 from rollout.job.rewards import NEEDS_ANSWER, check_reward_spec, is_import_path
 
 log = logging.getLogger("rollout.train")
@@ -67,14 +67,11 @@ def load_job(raw: Mapping[str, Any], train_cls: type) -> tuple[JobConfig, Any]:
 
 
 # ---- model, tokenizer, data, engine ---------------------------------------------------------------------
-def model_dir(model: ModelConfig) -> Path:
+def model_dir(job: JobConfig) -> Path:
     """The checkpoint dir: a local dir, a hub name (fetched once), or the embedded random-init default."""
-    from rollout.assets import materialize_default_model
-    from rollout.job.hub import resolve_model_path
+    from rollout.job.setup import model_dir as job_model_dir
 
-    if model.path is not None:
-        return resolve_model_path(model.path)
-    return materialize_default_model(model.cache_dir, seed=model.seed)
+    return job_model_dir(job)
 
 
 def load_tokenizer(job: JobConfig, checkpoint: Path) -> Any:

@@ -1,41 +1,40 @@
 """RolloutActor: a prompt dataset -> rounds of trajectories, with weight hot-swap between rounds.
 
-Each prompt is one request with ``n`` samples, so the group shares its prompt's KV blocks. The actor
-drives the engine step by step (not ``generate``) so that progress and per-step metrics are visible
-while a round runs, and so a trainer could interleave other work between steps.
+Each prompt is one request with ``n`` samples (a group), so the group shares its prompt's KV blocks.
+The actor drives the engine step by step (not ``generate``) so that progress and per-step metrics are
+visible while a round runs.
+
+Two modes:
+- ``drain`` (default): round r submits the groups at stream positions [r * num_prompts, (r + 1) *
+  num_prompts) and waits for all of them; the batch shrinks to the longest samples at the round's end.
+- ``partial``: the engine always holds ``max_inflight_groups`` groups; a round ends as soon as
+  ``num_prompts`` groups have finished, and the groups still running keep their KV into the next round,
+  continuing under whatever weights arrive between rounds (each token records its ``policy_version``).
+  A group is handed out only when all ``n`` samples have finished; one whose oldest token is more than
+  ``max_staleness`` versions behind the current weights is dropped or regenerated. ``state()`` names
+  the groups not yet handed out, so a resume regenerates exactly those: every group is written once.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
+import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.job.data import Prompt, PromptDataset
 from rollout.job.rewards import RewardFn
+from rollout.job.round_metrics import RoundTrace, round_metrics
+from rollout.job.seeds import request_seed
+from rollout.job.trajectory import Trajectory, group_trajectories
 from rollout.sampling_params import SamplingParams
 
-FINISH_REASONS = ("stop", "length", "abort")
+MODES = ("drain", "partial")
+STALE_POLICIES = ("drop", "regenerate")
 StepCallback = Callable[[dict[str, float]], None]
-
-
-@dataclass(frozen=True, slots=True)
-class Trajectory:
-    round: int
-    group_id: int  # the prompt's position in the prompt stream: unique across rounds, shared by its n samples
-    sample_index: int  # 0 .. n-1 within the group
-    prompt_index: int  # the dataset row
-    prompt: str
-    completion: str
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]  # one per completion token, as the engine's logprobs_mode defines them
-    finish_reason: str
-    policy_version: int  # the weight version that produced the last token
-    reward: float | None = None
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -43,14 +42,15 @@ class RoundResult:
     round: int
     trajectories: list[Trajectory]
     metrics: dict[str, Any] = field(default_factory=dict)
+    staleness: list[int] = field(default_factory=list)  # per group handed out (for a histogram)
 
 
 @dataclass(slots=True)
-class _StepWindow:
-    """Counters for the step-level log: tokens/s over the steps since the last log line."""
-
-    t: float
-    generated: int
+class _Group:
+    group_id: int  # stream position
+    prompt: Prompt
+    request_id: str
+    output: Any = None  # the finished RequestOutput
 
 
 class RolloutActor:
@@ -65,92 +65,221 @@ class RolloutActor:
         log_every_steps: int = 16,
         on_step: StepCallback | None = None,
         progress: bool = False,
+        seed: int | None = None,
+        mode: str = "drain",
+        max_staleness: int | None = None,
+        stale_groups: str = "drop",
+        recompute_running: bool = True,
+        max_inflight_groups: int | None = None,
+        state: dict[str, Any] | None = None,
     ) -> None:
+        """``seed``: the job seed; each request's seed derives from it, the round and the group, so a
+        resumed run repeats an uninterrupted one (None leaves unseeded requests to the engine).
+        ``state``: a previous run's ``state()`` after its last complete round (partial mode's resume)."""
         if num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
         if start_round < 0:
             raise ValueError(f"start_round must be >= 0, got {start_round}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if stale_groups not in STALE_POLICIES:
+            raise ValueError(f"stale_groups must be one of {STALE_POLICIES}, got {stale_groups!r}")
         self.engine, self.dataset, self.params = engine, dataset, sampling_params
         self.num_prompts, self.reward_fn = num_prompts, reward_fn
-        self.round = start_round  # the next round to run; prompts [round * num_prompts, ...) come next
+        self.round = start_round  # the next round to run
         self.log_every_steps, self.on_step, self.progress = log_every_steps, on_step, progress
+        self.seed, self.mode, self.max_staleness, self.stale_groups = seed, mode, max_staleness, stale_groups
+        self.recompute_running = recompute_running
+        self.max_inflight_groups = max_inflight_groups or num_prompts
+        self._running: dict[str, _Group] = {}  # request id -> group, in the engine
+        self._ready: list[_Group] = []  # finished, waiting to be handed out
+        self._next_group = start_round * num_prompts  # the next fresh stream position
+        self._regenerate: list[int] = []  # stream positions to submit (again) before fresh ones
+        if state is not None and mode == "partial":
+            self._next_group = int(state["next_group"])
+            self._regenerate = sorted(int(g) for g in state["inflight_groups"])
+        self._in_round = False
+
+    @property
+    def partial(self) -> bool:
+        return self.mode == "partial"
+
+    @property
+    def next_group(self) -> int:
+        """The next fresh position in the prompt stream (groups before it were submitted at least once)."""
+        return self._next_group
+
+    def in_flight(self) -> dict[str, int]:
+        """Request id -> group id of every group running in the engine (carried over in partial mode)."""
+        return {rid: g.group_id for rid, g in self._running.items()}
+
+    def state(self) -> dict[str, Any]:
+        """What a resume needs: the next fresh position and every group started but not handed out."""
+        pending = [g.group_id for g in [*self._running.values(), *self._ready]] + self._regenerate
+        return {"next_group": self._next_group, "inflight_groups": sorted(pending)}
 
     def update_weights(
         self, named_tensors: Iterable[tuple[str, Any]] | dict[str, Any], version: int | None = None
     ) -> int:
-        """Hot-swap weights between rounds (the engine validates all names and shapes first)."""
-        if self.engine.has_unfinished_requests():
+        """Hot-swap weights between rounds (the engine validates all names and shapes first). In partial
+        mode the groups carried over continue under the new weights (``recompute_running``: recompute their
+        KV with them, at the cost of one prefill of each running sequence; else keep the old KV)."""
+        if self._in_round or (not self.partial and self.engine.has_unfinished_requests()):
             raise RuntimeError("update_weights must be called between rounds; requests are still running")
-        return self.engine.update_weights(named_tensors, version=version)
+        if not self.partial:
+            return self.engine.update_weights(named_tensors, version=version)
+        return self.engine.update_weights(named_tensors, version=version, recompute_running=self.recompute_running)
 
     def run_round(self) -> RoundResult:
-        """Generate ``n`` samples for each of the next ``num_prompts`` prompts; score; return trajectories."""
+        """Hand out ``num_prompts`` finished groups (drain: exactly this round's), scored, with metrics."""
         r = self.round
-        first = r * self.num_prompts
-        prompts = {first + i: self.dataset.get(first + i) for i in range(self.num_prompts)}
-        before, t0 = self.engine.get_stats(), time.perf_counter()
-        pending = self._submit(r, prompts)
-        finished, kv = self._drive(pending, r, t0, before.num_generated_tokens)
-        elapsed = max(time.perf_counter() - t0, 1e-9)
-        trajectories = [
-            t for g in sorted(finished) for t in self._trajectories(r, g, prompts[g], finished[g])
-        ]
-        metrics = self._metrics(r, trajectories, before, self.engine.get_stats(), elapsed, kv)
+        before, trace = self.engine.get_stats(), RoundTrace(time.perf_counter())
+        self._in_round = True
+        try:
+            if self.partial:
+                self._drop_stale_running(trace)
+                self._fill(r)
+            else:
+                self._submit(r, [r * self.num_prompts + i for i in range(self.num_prompts)])
+                self._next_group = (r + 1) * self.num_prompts
+            handed = self._drive(r, trace, before.num_generated_tokens)
+        finally:
+            self._in_round = False
+        t1 = time.perf_counter()
+        trajectories = [t for g in handed for t in self._rows(r, g)]
+        trace.carried_over_groups = len(self._running) + len(self._ready) + len(self._regenerate)
+        trace.carried_over_tokens = self._carried_tokens()
+        metrics = round_metrics(r, trajectories, before, self.engine.get_stats(), trace, t1, self.partial)
         self.round += 1
-        return RoundResult(r, trajectories, metrics)
+        return RoundResult(r, trajectories, metrics, list(trace.staleness))
 
-    # ---- the loop -----------------------------------------------------------------------------------------
-    def _submit(self, r: int, prompts: dict[int, Prompt]) -> dict[str, int]:
-        """One request per prompt; if the engine refuses one (e.g. too long), withdraw the others."""
-        pending: dict[str, int] = {}
+    # ---- submitting ---------------------------------------------------------------------------------------
+    def _submit(self, r: int, positions: list[int]) -> None:
+        """One request per group; if the engine refuses one (e.g. too long), withdraw every running group."""
         try:
-            for g, p in prompts.items():
-                pending[self.engine.add_request(list(p.token_ids), self.params, f"round{r}-group{g}")] = g
+            for g in positions:
+                prompt = self.dataset.get(g)
+                rid = f"round{r}-group{g}"
+                self.engine.add_request(list(prompt.token_ids), self._params(r, g), rid)
+                self._running[rid] = _Group(g, prompt, rid)
         except Exception:
-            for request_id in pending:
-                self.engine.abort(request_id)
-            while self.engine.has_unfinished_requests():  # drain the aborted outputs
-                self.engine.step()
+            self._withdraw_all()
             raise
-        return pending
 
-    def _drive(
-        self, pending: dict[str, int], r: int, t0: float, generated0: int
-    ) -> tuple[dict[int, Any], list[float]]:
-        """Step until every request of the round finished; returns outputs by group and KV usage per step."""
-        n = self.params.n
-        done: dict[int, Any] = {}
-        kv: list[float] = []
-        window = _StepWindow(t0, generated0)
-        bar = _progress_bar(len(pending) * n, f"round {r}", self.progress)
-        steps = 0
+    def _fill(self, r: int) -> None:
+        """Partial mode: top the engine up to ``max_inflight_groups`` groups, regenerations first."""
+        wanted = self.max_inflight_groups - len(self._running)
+        positions = []
+        while len(positions) < wanted:
+            if self._regenerate:
+                positions.append(self._regenerate.pop(0))
+            else:
+                positions.append(self._next_group)
+                self._next_group += 1
+        if positions:
+            self._submit(r, positions)
+
+    def _params(self, r: int, group: int) -> SamplingParams:
+        if self.seed is None:
+            return self.params
+        return dataclasses.replace(self.params, seed=request_seed(self.seed, r, group))
+
+    def _withdraw_all(self) -> None:
+        for rid in self._running:
+            self.engine.abort(rid)
+        self._running.clear()
+        while self.engine.has_unfinished_requests():  # drain the aborted outputs
+            self.engine.step()
+
+    # ---- staleness ------------------------------------------------------------------------------------------
+    def _staleness(self, out: Any) -> int:
+        """Versions between the group's oldest token and the current weights (0 when it has no tokens)."""
+        versions = [v for c in out.outputs for v in c.policy_versions]
+        return max(0, self.engine.policy_version - min(versions)) if versions else 0
+
+    def _too_stale(self, out: Any) -> bool:
+        return self.max_staleness is not None and self._staleness(out) > self.max_staleness
+
+    def _discard(self, group: _Group, trace: RoundTrace) -> None:
+        if self.stale_groups == "regenerate":
+            self._regenerate.append(group.group_id)
+            trace.regenerated_groups += 1
+        else:
+            trace.dropped_groups += 1
+        log.info("group %d is over rollout.max_staleness=%s: %s", group.group_id, self.max_staleness,
+                 "regenerated" if self.stale_groups == "regenerate" else "dropped")
+
+    def _drop_stale_running(self, trace: RoundTrace) -> None:
+        """At a round's start (after any new weights): stop the running groups already too stale."""
+        if self.max_staleness is None:
+            return
+        for rid, group in list(self._running.items()):
+            partial = self.engine.partial_output(rid)
+            if partial is not None and self._too_stale(partial):
+                self.engine.abort(rid)  # its "abort" output comes back from a later step and is ignored
+                del self._running[rid]
+                self._discard(group, trace)
+
+    def _carried_tokens(self) -> int:
+        total = 0
+        for rid in self._running:
+            out = self.engine.partial_output(rid)
+            total += sum(len(c.token_ids) for c in out.outputs) if out is not None else 0
+        return total
+
+    # ---- the loop -------------------------------------------------------------------------------------------
+    def _drive(self, r: int, trace: RoundTrace, generated0: int) -> list[_Group]:
+        """Step until ``num_prompts`` groups can be handed out; returns them by group id."""
+        handed: list[_Group] = []
+        self._take_ready(handed, trace)
+        bar = _progress_bar(self.num_prompts * self.params.n, f"round {r}", self.progress)
+        window = [trace.t0, generated0]
+        steps, scheduled = 0, self.engine.get_stats().num_scheduled_seqs
         try:
-            while pending:
+            while len(handed) < self.num_prompts:
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError(
-                        f"engine has no unfinished requests but {len(pending)} of this round are missing"
+                        f"engine has no unfinished requests but {self.num_prompts - len(handed)} groups of "
+                        "this round are missing"
                     )
                 outs = self.engine.step()
                 steps += 1
                 stats = self.engine.get_stats()
-                kv.append(stats.kv_cache_usage)
+                trace.steps.append((time.perf_counter(), stats.num_scheduled_seqs - scheduled))
+                scheduled = stats.num_scheduled_seqs
+                trace.kv.append(stats.kv_cache_usage)
                 for out in outs:
-                    group = pending.pop(out.request_id, None)
-                    if group is not None:
-                        done[group] = out
-                        if bar is not None:
-                            bar.update(n)
-                if steps % self.log_every_steps == 0 or not pending:
+                    group = self._running.pop(out.request_id, None)
+                    if group is not None:  # else: a group withdrawn for staleness
+                        group.output = out
+                        self._ready.append(group)
+                self._take_ready(handed, trace, bar)
+                if self.partial:
+                    self._fill(r)
+                if steps % self.log_every_steps == 0 or len(handed) >= self.num_prompts:
                     self._log_step(stats, window, bar)
         finally:
             if bar is not None:
                 bar.close()
-        return done, kv
+        return sorted(handed, key=lambda g: g.group_id)
 
-    def _log_step(self, stats: Any, window: _StepWindow, bar: Any) -> None:
+    def _take_ready(self, handed: list[_Group], trace: RoundTrace, bar: Any = None) -> None:
+        """Move finished groups (oldest first) to ``handed`` up to ``num_prompts``; the rest wait."""
+        self._ready.sort(key=lambda g: g.group_id)
+        while self._ready and len(handed) < self.num_prompts:
+            group = self._ready.pop(0)
+            if self.partial and self._too_stale(group.output):
+                self._discard(group, trace)
+                continue
+            trace.staleness.append(self._staleness(group.output))
+            handed.append(group)
+            if bar is not None:
+                bar.update(self.params.n)
+
+    def _log_step(self, stats: Any, window: list[float], bar: Any) -> None:
         now = time.perf_counter()
-        tok_s = (stats.num_generated_tokens - window.generated) / max(now - window.t, 1e-9)
-        window.t, window.generated = now, stats.num_generated_tokens
+        tok_s = (stats.num_generated_tokens - window[1]) / max(now - window[0], 1e-9)
+        window[:] = [now, stats.num_generated_tokens]
         if bar is not None:
             bar.set_postfix(tok_s=f"{tok_s:.0f}", running=stats.num_running_seqs, refresh=False)
         if self.on_step is not None:
@@ -165,71 +294,15 @@ class RolloutActor:
             )
 
     # ---- results ------------------------------------------------------------------------------------------
-    def _trajectories(self, r: int, group: int, prompt: Prompt, out: Any) -> list[Trajectory]:
-        assert len(out.outputs) == self.params.n, (
-            f"request {out.request_id}: {len(out.outputs)} of {self.params.n}"
+    def _rows(self, r: int, group: _Group) -> list[Trajectory]:
+        return group_trajectories(
+            r, group.group_id, group.prompt, group.output, self.params.n, self._decode, self.reward_fn,
+            self.engine.policy_version,
         )
-        result = []
-        for c in sorted(out.outputs, key=lambda c: c.index):
-            text = c.text if c.text is not None else self._decode(c.token_ids)
-            version = c.policy_versions[-1] if c.policy_versions else self.engine.policy_version
-            reward = self.reward_fn(text, prompt.answer) if self.reward_fn is not None else None
-            result.append(
-                Trajectory(
-                    round=r,
-                    group_id=group,
-                    sample_index=c.index,
-                    prompt_index=prompt.index,
-                    prompt=prompt.text,
-                    completion=text,
-                    prompt_ids=list(out.prompt_token_ids),
-                    completion_ids=list(c.token_ids),
-                    logprobs=list(c.logprobs),
-                    finish_reason=c.finish_reason or "abort",
-                    policy_version=int(version),
-                    reward=reward,
-                )
-            )
-        return result
 
     def _decode(self, ids: list[int]) -> str:
         tok = getattr(self.engine, "tokenizer", None) or self.dataset.tokenizer
         return tok.decode(ids, skip_special_tokens=True) if tok is not None else ""
-
-    def _metrics(
-        self, r: int, trajs: list[Trajectory], before: Any, after: Any, elapsed: float, kv: list[float]
-    ) -> dict[str, Any]:
-        lengths = [len(t.completion_ids) for t in trajs]
-        steps = after.num_steps - before.num_steps
-        reasons = Counter(t.finish_reason for t in trajs)
-        m: dict[str, Any] = {
-            "round": r,
-            "num_prompts": len({t.group_id for t in trajs}),
-            "num_samples": len(trajs),
-            "round_time_s": elapsed,
-            "generated_tokens": sum(lengths),
-            "prompt_tokens": after.num_prompt_tokens - before.num_prompt_tokens,
-            "generated_tokens_per_s": sum(lengths) / elapsed,
-            "prompt_tokens_per_s": (after.num_prompt_tokens - before.num_prompt_tokens) / elapsed,
-            "num_steps": steps,
-            "mean_batch_size": (after.num_scheduled_seqs - before.num_scheduled_seqs) / max(steps, 1),
-            "kv_cache_usage_mean": sum(kv) / len(kv) if kv else 0.0,
-            "kv_cache_usage_peak": max(kv, default=0.0),
-            "num_preemptions": after.num_preemptions - before.num_preemptions,
-            "gpu_busy_frac": (None if after.gpu_compute_s is None or before.gpu_compute_s is None
-                              else min(1.0, (after.gpu_compute_s - before.gpu_compute_s) / max(elapsed, 1e-9))),
-            "completion_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
-            "completion_len_max": max(lengths, default=0),
-            "policy_version": after.policy_version,
-        }
-        for reason in sorted(set(FINISH_REASONS) | set(reasons)):
-            m[f"finish_{reason}"] = reasons.get(reason, 0)
-        rewards = [t.reward for t in trajs if t.reward is not None]
-        if rewards:
-            mean = sum(rewards) / len(rewards)
-            m["reward_mean"] = mean
-            m["reward_std"] = math.sqrt(sum((x - mean) ** 2 for x in rewards) / len(rewards))
-        return m
 
 
 def _progress_bar(total: int, desc: str, enabled: bool) -> Any:

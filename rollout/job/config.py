@@ -13,6 +13,17 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from rollout.config import EngineConfig
+from rollout.job.checks import (
+    check_bool,
+    check_choice,
+    check_device,
+    check_int,
+    check_num,
+    check_opt_str,
+    check_str,
+    check_typed_fields,
+    fail,
+)
 from rollout.job.rewards import check_reward_spec
 from rollout.sampling_params import LOGPROBS_MODES, SamplingParams
 
@@ -39,12 +50,12 @@ class ModelConfig:
     cache_dir: str | None = None  # where the default's weights go; None = $ROLLOUT_CACHE or ~/.cache/rollout
 
     def __post_init__(self) -> None:
-        _opt_str("model.path", self.path)
-        _opt_str("model.tokenizer", self.tokenizer)
-        _choice("model.dtype", self.dtype, DTYPES)
-        _opt_str("model.device", self.device)
-        _int("model.seed", self.seed, lo=0)
-        _opt_str("model.cache_dir", self.cache_dir)
+        check_opt_str("model.path", self.path)
+        check_opt_str("model.tokenizer", self.tokenizer)
+        check_choice("model.dtype", self.dtype, DTYPES)
+        check_device("model.device", self.device)
+        check_int("model.seed", self.seed, lo=0)
+        check_opt_str("model.cache_dir", self.cache_dir)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,19 +73,19 @@ class SamplingConfig:
     logprobs_mode: str = "policy"
 
     def __post_init__(self) -> None:
-        _int("sampling.n", self.n, lo=1)
-        _num("sampling.temperature", self.temperature, lo=0.0, allowed="a number >= 0 (0 = greedy)")
-        _num("sampling.top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True, allowed="a number in (0, 1]")
-        _int("sampling.top_k", self.top_k, lo=-1, allowed="an int >= 0 (0 or -1 = off)")
-        _num("sampling.min_p", self.min_p, lo=0.0, hi=1.0, allowed="a number in [0, 1]")
-        _int("sampling.max_tokens", self.max_tokens, lo=1)
-        _int("sampling.min_tokens", self.min_tokens, 0, self.max_tokens, "an int in [0, max_tokens]")
+        check_int("sampling.n", self.n, lo=1)
+        check_num("sampling.temperature", self.temperature, lo=0.0, allowed="a number >= 0 (0 = greedy)")
+        check_num("sampling.top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True, allowed="a number in (0, 1]")
+        check_int("sampling.top_k", self.top_k, lo=-1, allowed="an int >= 0 (0 or -1 = off)")
+        check_num("sampling.min_p", self.min_p, lo=0.0, hi=1.0, allowed="a number in [0, 1]")
+        check_int("sampling.max_tokens", self.max_tokens, lo=1)
+        check_int("sampling.min_tokens", self.min_tokens, 0, self.max_tokens, "an int in [0, max_tokens]")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
-            _fail("sampling.stop", self.stop, "a list of non-empty strings")
-        _bool("sampling.ignore_eos", self.ignore_eos)
+            fail("sampling.stop", self.stop, "a list of non-empty strings")
+        check_bool("sampling.ignore_eos", self.ignore_eos)
         if self.seed is not None:
-            _int("sampling.seed", self.seed, allowed="an int or null")
-        _choice("sampling.logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
+            check_int("sampling.seed", self.seed, allowed="an int or null")
+        check_choice("sampling.logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
 
     def to_params(self) -> SamplingParams:
         return SamplingParams(
@@ -107,16 +118,16 @@ class DataConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _opt_str("data.path", self.path)
-        _opt_str("data.name", self.name)
-        _str("data.split", self.split)
-        _str("data.prompt_field", self.prompt_field)
-        _opt_str("data.answer_field", self.answer_field)
-        _int("data.num_prompts", self.num_prompts, lo=1)
+        check_opt_str("data.path", self.path)
+        check_opt_str("data.name", self.name)
+        check_str("data.split", self.split)
+        check_str("data.prompt_field", self.prompt_field)
+        check_opt_str("data.answer_field", self.answer_field)
+        check_int("data.num_prompts", self.num_prompts, lo=1)
         if not (isinstance(self.apply_chat_template, bool) or self.apply_chat_template == "auto"):
-            _fail("data.apply_chat_template", self.apply_chat_template, "one of true, false, 'auto'")
-        _bool("data.shuffle", self.shuffle)
-        _int("data.seed", self.seed, lo=0)
+            fail("data.apply_chat_template", self.apply_chat_template, "one of true, false, 'auto'")
+        check_bool("data.shuffle", self.shuffle)
+        check_int("data.seed", self.seed, lo=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,14 +138,35 @@ class RolloutConfig:
     # torch intra-op threads while the job runs; None = torch's default. Small CPU models run several
     # times faster on one thread (no OpenMP hand-offs per tiny op), hence 1 for the embedded default.
     torch_threads: int | None = 1
+    # drain: a round waits for all its groups. partial: a round ends once num_prompts groups finished;
+    # the rest keep running (and their KV) into the next round, under the weights that arrive meanwhile.
+    mode: str = "drain"
+    max_inflight_groups: int | None = None  # partial: groups kept in the engine; None = data.num_prompts
+    max_staleness: int | None = None  # partial: max versions between a group's oldest token and the weights
+    stale_groups: str = "drop"  # partial: what happens to a group over max_staleness: drop | regenerate
+    recompute_running: bool = True  # partial: recompute carried-over KV under new weights (one prefill each)
+    # A directory the trainer writes step_<N>/ snapshots into (HF safetensors + a COMPLETE marker); before
+    # each round the newest unseen complete one is loaded and the round's tokens carry policy_version N.
+    weights_from: str | None = None
 
     def __post_init__(self) -> None:
-        _int("rollout.rounds", self.rounds, lo=1)
-        _bool("rollout.resume", self.resume)
+        check_int("rollout.rounds", self.rounds, lo=1)
+        check_bool("rollout.resume", self.resume)
         if self.torch_threads is not None:
-            _int("rollout.torch_threads", self.torch_threads, lo=1, allowed="an int >= 1 or null")
+            check_int("rollout.torch_threads", self.torch_threads, lo=1, allowed="an int >= 1 or null")
         if self.reward is not None:
             check_reward_spec(self.reward)  # a shipped name or 'package.module:function'
+        check_choice("rollout.mode", self.mode, ("drain", "partial"))
+        if self.max_inflight_groups is not None:
+            check_int("rollout.max_inflight_groups", self.max_inflight_groups, lo=1, allowed="an int >= 1 or null")
+        if self.max_staleness is not None:
+            check_int("rollout.max_staleness", self.max_staleness, lo=0, allowed="an int >= 0 or null")
+        check_choice("rollout.stale_groups", self.stale_groups, ("drop", "regenerate"))
+        check_bool("rollout.recompute_running", self.recompute_running)
+        check_opt_str("rollout.weights_from", self.weights_from)
+        for key in ("max_inflight_groups", "max_staleness"):
+            if self.mode == "drain" and getattr(self, key) is not None:
+                fail(f"rollout.{key}", getattr(self, key), "null with rollout.mode=drain (it is partial mode's)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,12 +179,12 @@ class WandbConfig:
     tags: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        _choice("logger.wandb.mode", self.mode, WANDB_MODES)
-        _str("logger.wandb.project", self.project)
+        check_choice("logger.wandb.mode", self.mode, WANDB_MODES)
+        check_str("logger.wandb.project", self.project)
         for key in ("entity", "name", "group"):
-            _opt_str(f"logger.wandb.{key}", getattr(self, key))
+            check_opt_str(f"logger.wandb.{key}", getattr(self, key))
         if not isinstance(self.tags, tuple) or not all(isinstance(t, str) for t in self.tags):
-            _fail("logger.wandb.tags", self.tags, "a list of strings")
+            fail("logger.wandb.tags", self.tags, "a list of strings")
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,8 +194,8 @@ class LoggerConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
-        _int("logger.log_every_steps", self.log_every_steps, lo=1)
-        _bool("logger.progress", self.progress)
+        check_int("logger.log_every_steps", self.log_every_steps, lo=1)
+        check_bool("logger.progress", self.progress)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +209,7 @@ class JobConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
     def __post_init__(self) -> None:
-        _str("output_dir", self.output_dir)
+        check_str("output_dir", self.output_dir)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> JobConfig:
@@ -220,7 +252,8 @@ def _section(cls: type, prefix: str, raw: Mapping[str, Any]) -> Any:
 
 
 def _engine(raw: Mapping[str, Any]) -> EngineConfig:
-    values = _check_keys("engine", raw, {f.name for f in fields(EngineConfig)})
+    values = dict(_check_keys("engine", raw, {f.name for f in fields(EngineConfig)}))
+    check_typed_fields("engine", EngineConfig, values)  # YAML types first: async_mode=maybe is no bool
     try:
         return EngineConfig.from_options(**values)
     except (TypeError, ValueError) as e:  # EngineConfig names the field and the range; add the group
@@ -247,43 +280,3 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
-
-
-def _fail(key: str, value: object, allowed: str) -> None:
-    raise ValueError(f"{key}={value!r} is invalid: must be {allowed}")
-
-
-def _int(key: str, value: object, lo: int | None = None, hi: int | None = None, allowed: str = "") -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool)
-    ok = ok and (lo is None or value >= lo) and (hi is None or value <= hi)  # type: ignore[operator]
-    if not ok:
-        _fail(key, value, allowed or (f"an int >= {lo}" if lo is not None else "an int"))
-
-
-def _num(
-    key: str, value: object, lo: float, hi: float | None = None, lo_open: bool = False, allowed: str = ""
-) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-    ok = ok and (value > lo if lo_open else value >= lo) and (hi is None or value <= hi)  # type: ignore[operator]
-    if not ok:
-        _fail(key, value, allowed)
-
-
-def _bool(key: str, value: object) -> None:
-    if not isinstance(value, bool):
-        _fail(key, value, "true or false")
-
-
-def _str(key: str, value: object) -> None:
-    if not isinstance(value, str) or not value:
-        _fail(key, value, "a non-empty string")
-
-
-def _opt_str(key: str, value: object) -> None:
-    if value is not None and (not isinstance(value, str) or not value):
-        _fail(key, value, "a non-empty string or null")
-
-
-def _choice(key: str, value: object, choices: tuple[Any, ...], allowed: str | None = None) -> None:
-    if not isinstance(value, str) or value not in choices:
-        _fail(key, value, allowed or f"one of {list(choices)}")

@@ -3,10 +3,15 @@
 Prompts are consumed in order (optionally shuffled once with a fixed seed) and wrap around when the
 dataset is exhausted, so round r always uses positions [r * num_prompts, (r + 1) * num_prompts): a
 resume skips the prompts already used just by knowing how many rounds are done.
+
+``PromptDataset.check`` renders every row once before the job writes anything, so a bad row (null,
+wrong type, out-of-vocabulary or negative id, too long for the model or the KV cache) stops the job at
+the start, named by its index, instead of after hours of rounds and again on every resume.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -14,8 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from rollout.assets import default_dataset_path
+from rollout.engine.validation import check_lengths
 from rollout.job.config import DataConfig
+from rollout.sampling_params import SamplingParams
 
+log = logging.getLogger(__name__)
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
@@ -25,6 +33,15 @@ class Prompt:
     text: str  # what the model sees (after the chat template, if one was applied)
     token_ids: tuple[int, ...]
     answer: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLimits:
+    """What the engine accepts: ids in [0, vocab_size), prompt + max_tokens within both limits."""
+
+    vocab_size: int
+    max_model_len: int
+    max_kv_tokens: int
 
 
 class PromptDataset:
@@ -64,10 +81,39 @@ class PromptDataset:
     def batch(self, start: int, count: int) -> list[Prompt]:
         return [self.get(start + i) for i in range(count)]
 
+    def check(self, limits: PromptLimits, params: SamplingParams, where: str = "the dataset") -> int:
+        """Render every row and check it against the engine's limits; returns the longest prompt's length.
+
+        Errors name the row (its index in the file, before any shuffle) and what is allowed.
+        """
+        longest, longest_row = 0, 0
+        for index, row in enumerate(self.rows):
+            try:
+                _, ids = self._render(row[self.prompt_field], index)
+                bad = next((t for t in ids if t >= limits.vocab_size), None)
+                if bad is not None:
+                    raise ValueError(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
+                if not ids:
+                    raise ValueError("the prompt has no tokens")
+                check_lengths(len(ids), params, limits.max_model_len, limits.max_kv_tokens)
+            except ValueError as e:
+                msg = str(e) if str(e).startswith("row ") else f"row {index}: {e}"
+                raise ValueError(f"{where}, {msg}") from None
+            if len(ids) > longest:
+                longest, longest_row = len(ids), index
+        log.info("checked %d prompts of %s: the longest has %d tokens (row %d)", len(self.rows), where,
+                 longest, longest_row)
+        return longest
+
     def _render(self, value: object, index: int) -> tuple[str, list[int]]:
         tok = self.tokenizer
+        if value is None:
+            raise ValueError(f"row {index}: field {self.prompt_field!r} is null")
         if _is_token_ids(value):
             ids = list(value)  # type: ignore[arg-type]
+            negative = next((t for t in ids if t < 0), None)
+            if negative is not None:  # the tokenizer's decode would die on it with an OverflowError
+                raise ValueError(f"row {index}: token id {negative} is negative; ids must be in [0, vocab_size)")
             return (tok.decode(ids) if tok is not None else ""), ids
         if tok is None:
             raise ValueError(
@@ -118,6 +164,8 @@ def load_rows(cfg: DataConfig) -> Any:
     path = cfg.path if cfg.path is not None else str(default_dataset_path())
     local = Path(path).expanduser()
     if local.is_file():
+        if local.stat().st_size == 0:
+            raise ValueError(f"data.path={path!r} is an empty file: it has no rows")
         fmt = LOCAL_FORMATS.get(local.suffix.lower())
         if fmt is None:
             raise ValueError(
@@ -134,8 +182,9 @@ def _load(where: str, split: str, *args: Any, **kwargs: Any) -> Any:
 
     try:
         return datasets.load_dataset(*args, split=split, **kwargs)
-    except (ValueError, OSError, datasets.exceptions.DatasetsError) as e:
-        raise ValueError(f"could not load data.path={where!r} (data.split={split!r}): {e}") from None
+    except Exception as e:  # noqa: BLE001 - datasets raises many types (StopIteration on an empty file, ArrowInvalid)
+        reason = f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} (an empty or unreadable file?)"
+        raise ValueError(f"could not load data.path={where!r} (data.split={split!r}): {reason}") from None
 
 
 def _is_token_ids(value: object) -> bool:

@@ -1,15 +1,21 @@
-"""What a run leaves in output_dir: trajectories.parquet, metrics.jsonl and config.json.
+"""What a run leaves in output_dir: trajectories/round_NNNNN.parquet, metrics.jsonl and config.json.
 
-Both data files are rewritten whole after every round through a temporary file and ``os.replace``, so
-a crash loses at most the round in progress and a reader never sees half a file. The parquet file is
-the truth about which rounds are complete: a resume keeps exactly its rounds and the metrics lines
-that belong to them.
+Each round is its own parquet file, written to a hidden temporary name and renamed into place, so
+memory and write time stay flat however long the run, a crash loses at most the round in progress,
+and a reader never sees half a file. The directory reads as one table:
+``pyarrow.dataset.dataset(out / "trajectories")`` or
+``datasets.load_dataset("parquet", data_files=str(out / "trajectories" / "*.parquet"))``
+(both skip the hidden temporaries). The round files are the truth about which rounds are complete: a
+resume keeps exactly their rounds and the metrics lines that belong to them. A round file's metadata
+also carries the actor's state at the round's end (which prompt comes next, which groups were still
+running), so a resume regenerates exactly the groups that were in flight.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,11 +23,18 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollout.job.actor import Trajectory
+from rollout.job.output_dir import prepare_output_dir
+from rollout.job.trajectory import Trajectory
 
-TRAJECTORIES = "trajectories.parquet"
+TRAJECTORIES = "trajectories"
 METRICS = "metrics.jsonl"
 CONFIG = "config.json"
+STATE_KEY = b"rollout.state"
+_ROUND_FILE = re.compile(r"^round_(\d+)\.parquet$")
+
+
+def round_file_name(r: int) -> str:
+    return f"round_{r:05d}.parquet"
 
 
 def trajectory_schema(with_reward: bool) -> pa.Schema:
@@ -36,7 +49,10 @@ def trajectory_schema(with_reward: bool) -> pa.Schema:
         ("completion_ids", pa.list_(pa.int32())),
         ("logprobs", pa.list_(pa.float32())),  # the engine computes them in float32: lossless
         ("finish_reason", pa.string()),
-        ("policy_version", pa.int64()),
+        ("policy_version", pa.int64()),  # the weights that made the last token
+        ("policy_versions", pa.list_(pa.int64())),  # the weights that made each token
+        ("min_policy_version", pa.int64()),
+        ("max_policy_version", pa.int64()),
     ]
     if with_reward:
         fields.append(("reward", pa.float64()))
@@ -46,13 +62,14 @@ def trajectory_schema(with_reward: bool) -> pa.Schema:
 class TrajectoryWriter:
     def __init__(self, output_dir: str | os.PathLike[str], with_reward: bool) -> None:
         self.dir = prepare_output_dir(output_dir)
+        self.rounds_dir = self.dir / TRAJECTORIES
         self.schema = trajectory_schema(with_reward)
-        self._tables: list[pa.Table] = []
-        self._metrics: list[dict[str, Any]] = []
+        self.num_rows = 0
+        self.state: dict[str, Any] | None = None  # the last complete round's actor state (after resume)
 
     @property
     def has_previous_run(self) -> bool:
-        return any((self.dir / name).exists() for name in (TRAJECTORIES, METRICS, CONFIG))
+        return bool(self._round_files()) or any((self.dir / name).exists() for name in (METRICS, CONFIG))
 
     def saved_config(self) -> dict[str, Any] | None:
         path = self.dir / CONFIG
@@ -67,40 +84,64 @@ class TrajectoryWriter:
         _atomic_write_text(self.dir / CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     def resume(self) -> int:
-        """Load the complete rounds already written; returns the next round to run."""
-        path = self.dir / TRAJECTORIES
-        if not path.is_file():
-            return 0
-        table = pq.read_table(path)
-        if table.schema.names != self.schema.names:
+        """Find the complete rounds already written (schemas only, no rows); returns the next round to run."""
+        if (self.dir / "trajectories.parquet").exists():
             raise ValueError(
-                f"cannot resume: {path} has columns {table.schema.names}, this run writes {self.schema.names}"
+                f"cannot resume: {self.dir} holds trajectories.parquet, the single-file layout of an older "
+                f"version; this one writes {TRAJECTORIES}/round_NNNNN.parquet (start a new output_dir)"
             )
-        rounds = sorted(set(table.column("round").to_pylist()))
+        files = self._round_files()
+        rounds = sorted(files)
         if rounds != list(range(len(rounds))):
-            raise ValueError(f"cannot resume: {path} holds rounds {rounds}, expected 0..k without gaps")
-        self._tables = [table.cast(self.schema)]
+            raise ValueError(
+                f"cannot resume: {self.rounds_dir} holds rounds {rounds}, expected 0..k without gaps"
+            )
+        self.num_rows = 0
+        for r in rounds:
+            meta = pq.read_metadata(files[r])
+            names = meta.schema.to_arrow_schema().names
+            if names != self.schema.names:
+                raise ValueError(
+                    f"cannot resume: {files[r]} has columns {names}, this run writes {self.schema.names}"
+                )
+            self.num_rows += meta.num_rows
+        if rounds:
+            kv = pq.read_schema(files[rounds[-1]]).metadata or {}
+            self.state = json.loads(kv[STATE_KEY]) if STATE_KEY in kv else None
         done = len(rounds)
-        self._metrics = [
-            m for m in self._read_metrics() if isinstance(m.get("round"), int) and m["round"] < done
-        ]
-        self._write_metrics()  # drop lines of a round whose trajectories never landed
+        kept: dict[int, dict[str, Any]] = {}
+        for m in self._read_metrics():
+            if isinstance(m.get("round"), int) and m["round"] < done:
+                kept[m["round"]] = m  # the last line of a round wins (a retried append)
+        _atomic_write_text(self.dir / METRICS, "".join(_line(kept[r]) for r in sorted(kept)))
         return done
 
-    def write_round(self, trajectories: Sequence[Trajectory], metrics: Mapping[str, Any]) -> None:
-        """Append one complete round to both files (parquet first: it decides what a resume keeps)."""
-        self._tables.append(self._to_table(trajectories))
-        table = pa.concat_tables(self._tables)
-        self._tables = [table]
-        tmp = self.dir / f".{TRAJECTORIES}.tmp"
+    def write_round(
+        self,
+        r: int,
+        trajectories: Sequence[Trajectory],
+        metrics: Mapping[str, Any],
+        state: Mapping[str, Any] | None = None,
+    ) -> Path:
+        """Write round ``r`` as its own file (it decides what a resume keeps), then its metrics line."""
+        table = self._to_table(trajectories)
+        if state is not None:
+            table = table.replace_schema_metadata({STATE_KEY: json.dumps(dict(state)).encode()})
+        self.rounds_dir.mkdir(exist_ok=True)
+        path = self.rounds_dir / round_file_name(r)
+        tmp = self.rounds_dir / f".{path.name}.tmp"
         pq.write_table(table, tmp)
-        os.replace(tmp, self.dir / TRAJECTORIES)
-        self._metrics.append(dict(metrics))
-        self._write_metrics()
+        os.replace(tmp, path)
+        self.num_rows += table.num_rows
+        with open(self.dir / METRICS, "a") as f:  # one line per round: a torn last line is dropped on resume
+            f.write(_line(metrics))
+        return path
 
-    @property
-    def num_rows(self) -> int:
-        return sum(t.num_rows for t in self._tables)
+    def _round_files(self) -> dict[int, Path]:
+        if not self.rounds_dir.is_dir():
+            return {}
+        found = (_ROUND_FILE.match(p.name) for p in self.rounds_dir.iterdir())
+        return {int(m.group(1)): self.rounds_dir / m.group(0) for m in found if m}
 
     def _to_table(self, trajectories: Sequence[Trajectory]) -> pa.Table:
         columns = {name: [getattr(t, name) for t in trajectories] for name in self.schema.names}
@@ -110,31 +151,27 @@ class TrajectoryWriter:
         path = self.dir / METRICS
         if not path.is_file():
             return []
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
         out = []
-        for line in lines:
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
             try:
                 out.append(json.loads(line))
             except json.JSONDecodeError:
-                continue  # a torn last line from a crash outside our atomic write: drop it
+                continue  # a torn last line from a crash mid-append: drop it
         return out
 
-    def _write_metrics(self) -> None:
-        text = "".join(json.dumps(m, sort_keys=True) + "\n" for m in self._metrics)
-        _atomic_write_text(self.dir / METRICS, text)
+
+def read_trajectories(output_dir: str | os.PathLike[str]) -> pa.Table:
+    """Every complete round of a run as one table, in round order."""
+    import pyarrow.dataset as ds
+
+    files = sorted(str(p) for p in (Path(output_dir) / TRAJECTORIES).glob("round_*.parquet"))
+    return ds.dataset(files, format="parquet").to_table() if files else pa.table({})
 
 
-def prepare_output_dir(output_dir: str | os.PathLike[str]) -> Path:
-    """Create output_dir and prove it is writable now, before any model is loaded."""
-    path = Path(output_dir).expanduser()
-    probe = path / ".write-test"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(f"output_dir={str(output_dir)!r} is not writable: {e.strerror or e}") from None
-    return path
+def _line(metrics: Mapping[str, Any]) -> str:
+    return json.dumps(dict(metrics), sort_keys=True) + "\n"
 
 
 def _atomic_write_text(path: Path, text: str) -> None:

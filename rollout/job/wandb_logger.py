@@ -18,12 +18,12 @@ class WandbLogger:
     def __init__(self, cfg: WandbConfig, output_dir: str | Path, config: Mapping[str, Any]) -> None:
         self.cfg = cfg
         self.run: Any = None
-        self._wandb: Any = None
+        self.wandb_module: Any = None  # the imported wandb package (None when disabled): tests may stand in for it
         if cfg.mode == "disabled":
             return
         import wandb
 
-        self._wandb = wandb
+        self.wandb_module = wandb
         settings = wandb.Settings(
             silent=cfg.mode == "offline",  # online keeps wandb's own lines: they carry the run URL
             console="off",  # no stdout capture: keeps the tqdm bar intact
@@ -62,15 +62,18 @@ class WandbLogger:
         """The run's own directory (holding the .wandb file), or None when disabled."""
         return Path(self.run.dir).parent if self.run is not None else None
 
-    def log_round(self, metrics: Mapping[str, Any], completion_lengths: Sequence[int]) -> None:
+    def log_round(self, metrics: Mapping[str, Any], histograms: Mapping[str, Sequence[float]]) -> None:
+        """Scalars as ``round/<key>``; each list in ``histograms`` (e.g. completion_len, staleness) as
+        ``round/<name>_hist`` (metrics.jsonl keeps its own dict form, such as staleness_hist)."""
         if self.run is None:
             return
         row: dict[str, Any] = {"round": metrics["round"]}
         for key, value in metrics.items():
-            if key != "round" and value is not None:
+            if key != "round" and value is not None and not isinstance(value, Mapping):
                 row[f"round/{key}"] = value
-        if completion_lengths:
-            row["round/completion_len_hist"] = self._wandb.Histogram(list(completion_lengths))
+        for name, values in histograms.items():
+            if values:
+                row[f"round/{name}_hist"] = self.wandb_module.Histogram(list(values))
         self.run.log(row)
 
     def log_step(self, metrics: Mapping[str, float]) -> None:

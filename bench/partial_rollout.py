@@ -1,0 +1,158 @@
+"""Partial vs drain rollouts through the actor on W2-shaped lengths (issue 14's bar): one JSON line per mode.
+
+    python bench/partial_rollout.py --modes drain,partial --out bench/results/partial_w2.jsonl     # H200
+    python bench/partial_rollout.py --preset tiny --prompts 4 --n 2 --new 48 --rounds 3            # CPU smoke
+
+W2's shape: qwen2.5-1.5b (random init, bf16), 512-token prompts, ``--prompts`` groups of ``--n`` handed
+out per round, each group's length log-uniform in [256, --new] (fixed per group: ignore_eos), and a push of
+the same weights under a new version between rounds. Reported: generated tokens/s over the whole run
+(engine count: carried-over tokens once), handed-out tokens/s, each round's mean batch over
+``max_num_seqs`` (the bar: >= 0.8 in every round for partial) and tail batch, and whether every row's
+per-token versions are consistent with the pushes (non-decreasing, each a pushed version, drain: one).
+Needs no hydra, wandb or datasets (the GPU machine has none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import importlib.util
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rollout import Engine, SamplingParams  # noqa: E402
+from rollout.job.actor import RolloutActor  # noqa: E402
+from rollout.job.data import PromptDataset  # noqa: E402
+
+
+class Rows:
+    """Just enough of a `datasets.Dataset` for PromptDataset: token-id prompts."""
+
+    column_names = ["prompt"]
+
+    def __init__(self, prompts: list[list[int]]) -> None:
+        self.prompts = prompts
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"prompt": self.prompts[i]}
+
+
+class LongTailActor(RolloutActor):
+    """Each group's max_tokens is log-uniform in [lo, new], fixed by its stream position (W2's tail)."""
+
+    lo, new = 256, 16384
+
+    def _params(self, r: int, group: int) -> SamplingParams:
+        rng = random.Random(group)
+        k = int(min(self.new, math.exp(rng.uniform(math.log(self.lo), math.log(self.new)))))
+        return dataclasses.replace(super()._params(r, group), max_tokens=k)
+
+
+def build_model(preset: str) -> torch.nn.Module:
+    if preset == "tiny":
+        from transformers import AutoModelForCausalLM
+
+        from rollout.assets import materialize_default_model
+
+        return AutoModelForCausalLM.from_pretrained(materialize_default_model(), dtype=torch.float32)
+    spec = importlib.util.spec_from_file_location("bench_main", ROOT / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.build_hf(preset)
+
+
+def run(mode: str, hf: torch.nn.Module, args: argparse.Namespace) -> dict:
+    cuda = torch.cuda.is_available() and args.preset != "tiny"
+    vocab = hf.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    total_groups = args.prompts * (args.rounds + 2)
+    prompts = [torch.randint(100, vocab - 100, (args.prompt_len,), generator=g).tolist() for _ in range(total_groups)]
+    engine = Engine.from_pretrained(
+        hf, dtype="bfloat16" if cuda else "float32", device="cuda" if cuda else "cpu",
+        max_model_len=args.prompt_len + args.new + 16, max_num_seqs=args.max_num_seqs,
+    )
+    engine.generate([[1] * 8] * min(args.max_num_seqs, 64), SamplingParams(max_tokens=3, ignore_eos=True))  # warm
+    LongTailActor.lo, LongTailActor.new = max(1, min(256, args.new // 16)), args.new
+    actor = LongTailActor(
+        engine, PromptDataset(Rows(prompts), None, "prompt", None), SamplingParams(n=args.n, ignore_eos=True),
+        args.prompts, seed=0, mode=mode, recompute_running=not args.keep_kv,
+        max_inflight_groups=(args.inflight or None) if mode == "partial" else None,
+    )
+    gen0, pushes, rounds, versions_ok = engine.get_stats().num_generated_tokens, [0], [], True
+    t0 = time.perf_counter()
+    for r in range(args.rounds):
+        res = actor.run_round()
+        for t in res.trajectories:
+            v = t.policy_versions
+            versions_ok &= v == sorted(v) and set(v) <= set(pushes) and (mode == "partial" or set(v) <= {r})
+        rounds.append(res.metrics)
+        if r + 1 < args.rounds:
+            pushes.append(actor.update_weights(hf.named_parameters()))
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    generated = engine.get_stats().num_generated_tokens - gen0
+    handed = sum(m["completion_tokens"] for m in rounds)
+    occupancy = [m["mean_batch_size"] / args.max_num_seqs for m in rounds]
+    return dict(
+        workload="W2-actor", timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), mode=mode,
+        preset=args.preset, prompts=args.prompts, n=args.n, new_tokens=args.new, rounds=args.rounds,
+        recompute_running=not args.keep_kv, wall_s=round(wall, 3), generated_tokens=generated,
+        tok_s=round(generated / wall, 1), handed_out_tokens=handed, handed_out_tok_s=round(handed / wall, 1),
+        round_time_s=[round(m["round_time_s"], 2) for m in rounds],
+        mean_batch_over_max_num_seqs=[round(x, 3) for x in occupancy], min_occupancy=round(min(occupancy), 3),
+        tail_batch_size=[round(m["tail_batch_size"], 1) for m in rounds],
+        carried_over_tokens=[m["carried_over_tokens"] for m in rounds],
+        staleness_hist=[m["staleness_hist"] for m in rounds], versions_consistent=bool(versions_ok),
+        max_num_seqs=args.max_num_seqs, device=torch.cuda.get_device_name() if cuda else "cpu", commit=_commit(),
+    )
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+        return out.stdout.strip() or os.environ.get("COMMIT", "unknown")
+    except OSError:
+        return os.environ.get("COMMIT", "unknown")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="qwen2.5-1.5b")
+    p.add_argument("--modes", default="drain,partial")
+    p.add_argument("--prompts", type=int, default=64, help="groups handed out per round")
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--new", type=int, default=16384, help="the longest group's max_tokens")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--inflight", type=int, default=0, help="partial: max_inflight_groups (0 = --prompts)")
+    p.add_argument("--keep-kv", action="store_true", help="partial: recompute_running=False across pushes")
+    p.add_argument("--out", default=None, help="append the JSON lines to this file")
+    args = p.parse_args()
+    hf = build_model(args.preset)
+    for mode in [m for m in args.modes.split(",") if m]:
+        line = json.dumps(run(mode, hf, args))
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Everything the job checks and loads before its first round, in the order that keeps output_dir clean.
+
+A refused run must leave output_dir as it found it (apart from the lock file), so the rerun with the
+corrected setting is a fresh start: the previous run's state is read, the model, tokenizer, dataset and
+engine are loaded and every prompt is checked against the engine's limits, and only then does the job
+write config.json. These helpers do the reading and loading; ``scripts/rollout.py`` orders them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+from rollout.job.config import JobConfig
+from rollout.job.data import PromptLimits
+from rollout.job.seeds import new_job_seed
+from rollout.job.trajectory_writer import TrajectoryWriter
+
+log = logging.getLogger(__name__)
+JOB_SEED_KEY = "job_seed"  # stored in config.json beside the resolved config
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Start:
+    round: int  # the next round to run
+    job_seed: int  # every request's seed derives from it (seeds.request_seed)
+    state: dict[str, Any] | None  # the actor's state after the last complete round (None: fresh)
+
+
+def start_point(job: JobConfig, writer: TrajectoryWriter) -> Start:
+    """Round 0 and a new job seed for a fresh run; after the last complete round for a matching resume."""
+    fresh_seed = job.sampling.seed if job.sampling.seed is not None else new_job_seed()
+    if not job.rollout.resume:
+        if writer.has_previous_run:
+            raise ValueError(
+                f"output_dir={job.output_dir!r} already holds a run; set rollout.resume=true to continue it "
+                "or choose another output_dir"
+            )
+        return Start(0, fresh_seed, None)
+    saved = writer.saved_config()
+    if saved is None:
+        if writer.has_previous_run:
+            raise ValueError(f"cannot resume in {job.output_dir!r}: its config.json is missing")
+        log.info("rollout.resume=true but %s holds no run yet: starting at round 0", writer.dir)
+        return Start(0, fresh_seed, None)
+    saved_seed = saved.pop(JOB_SEED_KEY, None)
+    mismatches = job.resume_mismatches(saved)
+    if mismatches:
+        raise ValueError(
+            f"cannot resume in {job.output_dir!r}: the config differs from the saved one in "
+            + "; ".join(mismatches)
+        )
+    job_seed = saved_seed if isinstance(saved_seed, int) else job.sampling.seed
+    if job_seed is None:
+        raise ValueError(
+            f"cannot resume in {job.output_dir!r}: its config.json has no {JOB_SEED_KEY!r} (a run of an older "
+            "version), so its rounds cannot be repeated exactly; start a new output_dir"
+        )
+    start = writer.resume()
+    log.info("resuming after %d complete round(s) in %s", start, writer.dir)
+    return Start(start, job_seed, writer.state)
+
+
+def config_record(job: JobConfig, job_seed: int) -> dict[str, Any]:
+    """What config.json holds: the resolved config plus the job seed a resume needs."""
+    return {**job.to_dict(), JOB_SEED_KEY: job_seed}
+
+
+def model_dir(job: JobConfig) -> Path:
+    """A local checkpoint dir, a Hugging Face Hub name (fetched once: rollout.job.hub), or the embedded default."""
+    from rollout.assets import materialize_default_model
+    from rollout.job.hub import resolve_model_path
+
+    if job.model.path is not None:
+        return resolve_model_path(job.model.path)
+    return materialize_default_model(job.model.cache_dir, seed=job.model.seed)
+
+
+def load_tokenizer(path: str | Path, explicit: bool) -> Any:
+    """The tokenizer at ``path``; a checkpoint without tokenizer files gives None (token-id prompts only)."""
+    p = Path(path).expanduser()
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not p.is_dir() or not any((p / n).exists() for n in names):
+        if explicit:
+            raise FileNotFoundError(f"model.tokenizer={str(path)!r} is not a directory with tokenizer files")
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(p))
+
+
+def load_engine(job: JobConfig, model_path: Path, tokenizer: Any) -> Any:
+    from rollout import Engine
+
+    options = dataclasses.asdict(job.engine)
+    try:
+        return Engine.from_pretrained(
+            str(model_path), dtype=job.model.dtype, device=job.model.device, tokenizer=tokenizer, **options
+        )
+    except (ValueError, KeyError, OSError) as e:  # e.g. an architecture the engine lacks, a missing tensor
+        raise ValueError(f"cannot load the model in {str(model_path)!r}: {e}") from None
+
+
+def prompt_limits(engine: Any) -> PromptLimits:
+    """The engine's limits on a prompt: vocabulary, max_model_len and KV capacity in tokens."""
+    kv_tokens = engine.num_blocks * engine.config.block_size
+    return PromptLimits(engine.model.vocab_size, engine.max_model_len, kv_tokens)

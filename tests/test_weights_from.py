@@ -1,0 +1,137 @@
+"""`rollout.weights_from=DIR` (issue 10, item 5): the job loads a trainer's snapshots between rounds."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rollout.job.snapshots import COMPLETE, SnapshotWatcher
+from tests.job_fakes import FakeEngine
+from tests.test_rollout_script import cache_dir, rows, run_composed  # noqa: F401 (cache_dir: a fixture)
+
+
+def write_snapshot(model, root: Path, step: int, complete: bool = True) -> Path:
+    """What trainer_hooks.save_snapshot does: save_pretrained into a temp dir, rename, COMPLETE last."""
+    tmp = root / f".tmp-step_{step}"
+    model.save_pretrained(tmp, safe_serialization=True)
+    final = root / f"step_{step}"
+    os.replace(tmp, final)
+    if complete:
+        (final / COMPLETE).write_text("")
+    return final
+
+
+def perturbed(base: Path, seed: int):
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=g))
+    return model
+
+
+@torch.no_grad()
+def teacher_forced(model, prompt_ids: list[int], completion: list[int]) -> list[float]:
+    ids = torch.tensor([prompt_ids + completion])
+    logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0].tolist()
+
+
+def test_three_rounds_carry_the_version_of_the_weights_that_made_them(
+    cache_dir: Path, tmp_path: Path, monkeypatch  # noqa: F811
+) -> None:
+    from rollout.assets import materialize_default_model
+    from rollout.job.actor import RolloutActor
+
+    base = materialize_default_model(cache_dir)
+    snaps = tmp_path / "snapshots"
+    snaps.mkdir()
+    models = {5: perturbed(base, 1), 9: perturbed(base, 2)}
+    run_round = RolloutActor.run_round
+
+    def trainer_between_rounds(self):
+        result = run_round(self)
+        if result.round == 0:
+            write_snapshot(models[5], snaps, 5)
+        if result.round == 1:
+            write_snapshot(models[5], snaps, 7, complete=False)  # still being written: ignored
+            write_snapshot(models[9], snaps, 9)
+        return result
+
+    monkeypatch.setattr(RolloutActor, "run_round", trainer_between_rounds)
+    out = run_composed(tmp_path / "o", cache_dir, f"rollout.weights_from={snaps}", "rollout.rounds=3",
+                       "data.num_prompts=2", "sampling.n=2")
+    table = rows(out)
+    by_round = {r: [t for t in table if t["round"] == r] for r in range(3)}
+    assert {v for t in by_round[0] for v in t["policy_versions"]} == {0}
+    assert {v for t in by_round[1] for v in t["policy_versions"]} == {5}
+    assert {v for t in by_round[2] for v in t["policy_versions"]} == {9}
+    assert [t["policy_version"] for t in by_round[2]] == [9] * 4
+    row = by_round[2][0]  # made by step_9's weights: its logprobs are that model's, not the base's
+    want = teacher_forced(models[9], row["prompt_ids"], row["completion_ids"])
+    assert max(abs(a - b) for a, b in zip(row["logprobs"], want)) < 1e-4
+    base_lp = teacher_forced(AutoModelForCausalLM.from_pretrained(base), row["prompt_ids"], row["completion_ids"])
+    assert max(abs(a - b) for a, b in zip(row["logprobs"], base_lp)) > 1e-2
+
+
+def test_watcher_picks_the_newest_complete_snapshot_once(tmp_path: Path) -> None:
+    tensors = {"w": torch.zeros(2)}
+
+    class Model:  # just enough of save_pretrained for the layout
+        def save_pretrained(self, path, safe_serialization=True):
+            from safetensors.torch import save_file
+
+            Path(path).mkdir(parents=True)
+            save_file(tensors, str(Path(path) / "model.safetensors"))
+            (Path(path) / "config.json").write_text("{}")
+
+    class Actor:
+        def __init__(self):
+            self.engine = FakeEngine()
+
+        def update_weights(self, named, version=None):
+            assert [n for n, _ in named] == ["w"]
+            return self.engine.update_weights({}, version=version)
+
+    watcher, actor = SnapshotWatcher(tmp_path / "not-yet"), Actor()
+    assert watcher.load_newest(actor) is None  # the trainer has not created the directory yet
+    root = tmp_path / "not-yet"
+    root.mkdir()
+    for step, complete in ((3, True), (12, True), (20, False)):
+        write_snapshot(Model(), root, step, complete)
+    (root / "step_x").mkdir()
+    assert watcher.load_newest(actor) == 12 and actor.engine.policy_version == 12  # 3 is skipped over
+    assert watcher.load_newest(actor) is None  # nothing newer
+    (root / "step_20" / COMPLETE).write_text("")
+    assert watcher.load_newest(actor) == 20
+    with pytest.raises(ValueError, match="rollout.weights_from=.* is not a directory"):
+        SnapshotWatcher(root / "step_20" / COMPLETE)
+
+
+def test_refused_snapshot_names_itself_and_keeps_the_old_weights(tmp_path: Path) -> None:
+    from rollout import Engine
+    from rollout.assets import materialize_default_model
+    from rollout.job.actor import RolloutActor
+
+    base = materialize_default_model(tmp_path / "cache")
+    engine = Engine.from_pretrained(str(base), dtype="float32", device="cpu")
+    before = {n: p.clone() for n, p in engine.model.named_parameters()}
+    model = AutoModelForCausalLM.from_pretrained(base)
+    with torch.no_grad():
+        model.model.norm.weight = torch.nn.Parameter(torch.ones(3))  # the wrong shape
+    write_snapshot(model, tmp_path, 4)
+    actor = RolloutActor(engine, None, engine_params(), 1)
+    with pytest.raises(ValueError, match=r"snapshot '.*step_4' was refused: .*norm"):
+        SnapshotWatcher(tmp_path).load_newest(actor)
+    assert engine.policy_version == 0
+    assert all(torch.equal(p, before[n]) for n, p in engine.model.named_parameters())
+
+
+def engine_params():
+    from rollout.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=2)
