@@ -2,7 +2,9 @@
 
     python scripts/bench.py --workload W1-short --modes async,sync --compare-hf --out bench/results/x.jsonl
 
-Random-init models with real shapes, bf16, ignore_eos, greedy. Ratios are measured in the same run:
+Random-init models with real shapes, bf16, ignore_eos; ``--sampling`` picks greedy (the default, W2 aside),
+``t1`` (temperature 1.0, seeded: W2's default) or ``t1p95`` (plus top_p 0.95), recorded as ``sampling``.
+Ratios are measured in the same run:
 ``floor_ratio`` = the byte floor (weights + live KV each decode step must read, over the copy
 bandwidth measured here) / the compute-stream time of those steps; ``gpu_busy_frac`` = compute-stream
 time / wall time; ``vs_hf`` = our tok/s over Hugging Face continuous batching's on the same prompts.
@@ -75,21 +77,35 @@ def copy_bandwidth_tbps() -> float:
     return 2 * 4 * 1024**3 / (ms / 1e3) / 1e12
 
 
-def make_prompts(w: dict, vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+SAMPLING = {"greedy": dict(temperature=0.0), "t1": dict(temperature=1.0), "t1p95": dict(temperature=1.0, top_p=0.95)}
+
+
+def sampling_of(w: dict, args: argparse.Namespace) -> str:
+    return args.sampling or ("t1" if "n" in w else "greedy")  # W2 has always sampled
+
+
+def sampling_kw(sampling: str, seed: int) -> dict:
+    kw = dict(SAMPLING[sampling])
+    return kw if sampling == "greedy" else dict(kw, seed=seed)
+
+
+def make_prompts(w: dict, vocab: int, sampling: str = "greedy") -> tuple[list[list[int]], list[SamplingParams]]:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(100, vocab - 100, (w["prompt_len"],), generator=g).tolist() for _ in range(w["prompts"])]
     if "n" in w:  # W2: long-tailed lengths (log-uniform) up to `new`, a group of n per prompt
         lens = [int(min(w["new"], math.exp(torch.empty(1).uniform_(math.log(256), math.log(w["new"]),
                                                                   generator=g).item()))) for _ in prompts]
-        params = [SamplingParams(n=w["n"], temperature=1.0, max_tokens=k, ignore_eos=True, seed=i)
+        params = [SamplingParams(n=w["n"], max_tokens=k, ignore_eos=True, **sampling_kw(sampling, i))
                   for i, k in enumerate(lens)]
     else:
-        params = [SamplingParams(temperature=0.0, max_tokens=w["new"], ignore_eos=True)] * len(prompts)
+        params = [SamplingParams(max_tokens=w["new"], ignore_eos=True, **sampling_kw(sampling, i))
+                  for i in range(len(prompts))]
     return prompts, params
 
 
 def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args: argparse.Namespace) -> dict:
-    prompts, params = make_prompts(w, hf.config.vocab_size)
+    sampling = sampling_of(w, args)
+    prompts, params = make_prompts(w, hf.config.vocab_size, sampling)
     n = w.get("n", 1)
     max_len = w["prompt_len"] + w["new"] + 16
     blocks = int(sum(-(-(w["prompt_len"] + p.max_tokens) // 16) * n for p in params) * 1.1) + 64
@@ -99,11 +115,11 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
     # Warm (capture) every decode graph size the run will meet, so capture time stays out of the timing.
     runner = engine.runner
     warm = [[1] * 8] * min(len(prompts) * n, args.max_num_seqs)
-    engine.generate(warm, SamplingParams(temperature=0 if "n" not in w else 1.0, max_tokens=2, ignore_eos=True))
+    warm_kw = sampling_kw(sampling, 0)  # the graph variant (greedy / filtered) the run will replay
+    engine.generate(warm, SamplingParams(max_tokens=2, ignore_eos=True, **warm_kw))
     for b in sorted(runner.graph_sizes, reverse=True):
         if b <= len(warm):
-            engine.generate(warm[:b], SamplingParams(temperature=0 if "n" not in w else 1.0, max_tokens=3,
-                                                     ignore_eos=True))
+            engine.generate(warm[:b], SamplingParams(max_tokens=3, ignore_eos=True, **warm_kw))
     runner.clock.records.clear()
     runner.clock.record_steps = True
     torch.cuda.synchronize()
@@ -122,6 +138,7 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
     busy = sum(r.compute_ms for r in runner.clock.records) / 1e3 / wall
     rec = dict(
         workload=name, timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), mode=mode,
+        sampling=sampling,
         preset=w["preset"], prompts=len(prompts), n=n, new_tokens=w["new"], wall_s=round(wall, 3),
         generated_tokens=tokens, tok_s=round(tokens / wall, 1), decode_steps=len(dec),
         steps=len(runner.clock.records), mean_step_ms=round(wall / max(1, len(runner.clock.records)) * 1e3, 3),
@@ -208,6 +225,8 @@ def main() -> None:
     p.add_argument("--modes", default="async,sync")
     p.add_argument("--compare-hf", action="store_true")
     p.add_argument("--hf-modes", default="sync_graph", help="HF modes to run (its best measured: sync_graph)")
+    p.add_argument("--sampling", choices=sorted(SAMPLING), default=None,
+                   help="greedy | t1 (temperature 1, seeded) | t1p95 (plus top_p 0.95); default: W2 t1, others greedy")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--new", type=int, default=None, help="override new tokens (smoke runs)")
     p.add_argument("--weight-push", action="store_true", help="also time update_weights of the workload's model")

@@ -4,7 +4,16 @@ import math
 
 import torch
 
-from rollout.layers.sampler import MODES, SamplingTensors, sample, uniform_noise
+from rollout.layers.sampler import (
+    MODES,
+    SamplingTensors,
+    hash_to_unit,
+    keep_mask,
+    log32,
+    sample,
+    sample_torch,
+    uniform_noise,
+)
 
 
 def _st(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, position=None, mode="policy", needs=True):
@@ -87,3 +96,50 @@ def test_greedy_and_suppression():
     assert toks.tolist() == [1, 2]
     ref = torch.log_softmax(logits[1], -1)
     assert abs(float(lps[0]) - float(ref[1])) < 1e-6 and abs(float(lps[1]) - float(ref[2])) < 1e-6
+
+
+def test_noise_never_reaches_one():
+    """23 bits + 0.5 are exact in float32: the largest hash maps below 1 (24 bits rounded to 1.0, so
+    E = -log U was 0 and that token won the race whatever its probability: ~1% of draws at 152K vocab)."""
+    assert float(hash_to_unit(torch.tensor([0xFFFFFFFF]))) < 1.0
+    assert float(hash_to_unit(torch.tensor([0]))) > 0.0
+    u = uniform_noise(torch.arange(4), torch.zeros(4, dtype=torch.int64), 1 << 16)
+    assert float(u.max()) < 1.0 and float(u.min()) > 0.0
+    assert torch.isfinite(log32(-log32(u))).all()
+
+
+def test_log32_is_accurate():
+    x = torch.cat([torch.rand(20000) * 30 + 1e-7, torch.tensor([2.0**-24, 1 - 2.0**-24, 1.0, 0.5, 2.0])])
+    err = (log32(x).double() - x.double().log()).abs() / x.double().log().abs().clamp(min=1e-30)
+    assert float(err.max()) < 3e-7
+    assert float(log32(torch.tensor([1.0]))) == 0.0
+
+
+def test_keep_mask_keeps_whole_tie_groups():
+    """Kept iff fewer than k tokens / less than top_p mass lie strictly above the value: ties go together."""
+    s = torch.tensor([[4.0, 3.0, 3.0, 3.0, 2.0, 0.0]])
+    p = torch.softmax(s[0], -1)
+    assert keep_mask(s, _st(1, top_k=2)).tolist() == [[True, True, True, True, False, False]]
+    st = _st(1, top_p=float(p[0] + 0.5 * p[1]))  # crosses inside the group of 3s
+    assert keep_mask(s, st).tolist() == [[True, True, True, True, False, False]]
+    st = _st(1, top_p=float(p[0] * 0.9))
+    assert keep_mask(s, st).tolist() == [[True, False, False, False, False, False]]
+    st = _st(1, min_p=float(p[4] / p[0]))
+    assert keep_mask(s, st).tolist() == [[True, True, True, True, True, False]]
+
+
+def test_top_p_mass_excludes_suppressed_tokens():
+    """top-p applies to the distribution actually sampled: suppressed ids (EOS before min_tokens) are out."""
+    logits = torch.tensor([[5.0, 1.0, 0.9, -3.0]]).expand(3000, 4).contiguous()
+    st = _st(3000, top_p=0.6, seed=torch.arange(3000))
+    st.suppress_ids = torch.zeros(3000, 1, dtype=torch.int64)
+    toks, _ = sample(logits, st)
+    assert set(toks.tolist()) == {1, 2}  # of the rest, 1 alone has mass ~0.52 < 0.6
+
+
+def test_cpu_sample_is_the_reference():
+    torch.manual_seed(3)
+    logits = torch.randn(5, 64)
+    st = _st(5, top_k=10, seed=[1, 2, 3, 4, 5])
+    a, b = sample(logits, st), sample_torch(logits, st)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -4,6 +4,19 @@ Randomness comes from a counter-based hash of (seed, output position, vocab id),
 stateful generator: a seeded request draws the same tokens whatever else is in the batch, after
 preemption, on CPU or GPU, and the whole thing can be captured in a CUDA graph. A token is drawn by
 the exponential race argmax(p / E), E ~ Exp(1) (gpt-fast), equivalent to sampling from p.
+
+This torch code is the CPU path and the oracle of the fused Triton kernel
+(``rollout.kernels.sampling``), which ``sample`` uses for CUDA logits. The two agree token for token
+because every step that decides a token is computed identically by both: the hash in 32-bit integer
+arithmetic, the noise's logarithms by ``log32`` (only IEEE add/mul, no library ``log`` whose last bit
+differs between torch, numpy and libdevice), the race key as ``s - log E`` on the scaled logits
+``s = x * (1/T)`` (not on log-probabilities, whose normaliser no two reductions round alike), ties to
+the lowest token id. Log-probabilities are computed freely (they agree to ~1e-6).
+
+Filters (the kept set, ties included): with s the scaled logits and suppressed ids removed, a token of
+value v is kept iff fewer than ``top_k`` tokens have s > v, the probability of the tokens with s > v is
+below ``top_p``, and v >= max(s) + log(min_p). All three are thresholds on v, so equal values are kept
+or dropped together (the sorted definition's "token that crosses top_p" brings its ties along).
 """
 
 from __future__ import annotations
@@ -15,6 +28,11 @@ import torch
 _M32 = 0xFFFFFFFF
 MODE_POLICY, MODE_PROCESSED, MODE_RAW = 0, 1, 2
 MODES = {"policy": MODE_POLICY, "processed": MODE_PROCESSED, "raw": MODE_RAW}
+# Cephes' logf polynomial, each constant exactly a float32 (so torch and Triton round nothing differently).
+_LOG_POLY = (0.07037683576345444, -0.11514610052108765, 0.11676998436450958, -0.12420140951871872,
+             0.14249323308467865, -0.16668057441711426, 0.2000071406364441, -0.24999994039535522,
+             0.3333333134651184)  # fmt: skip
+_LOG_Q1, _LOG_Q2, _SQRT_HALF = -0.00021219444170128554, 0.693359375, 0.7071067690849304
 
 
 @dataclass(slots=True)
@@ -29,7 +47,7 @@ class SamplingTensors:
     position: torch.Tensor  # [N] int64, output index being sampled
     mode: torch.Tensor  # [N] int64: MODE_*
     suppress_ids: torch.Tensor | None = None  # [N, S] int64, -1 padded: ids not to sample (EOS before min_tokens)
-    needs_filter: bool = True  # any row with top-k / top-p / min-p (host flag: skips the sort otherwise)
+    needs_filter: bool = True  # any row with top-k / top-p / min-p (host flag: skips the filter work otherwise)
     all_greedy: bool = False  # host flag: skip drawing noise
 
 
@@ -43,33 +61,38 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seed: torch.Tensor, position: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """U(0, 1) per (row, vocab id), a pure function of (seed, position, id): [N, V] float32."""
+    """U(0, 1) per (row, vocab id), a pure function of (seed, position, id): [N, V] float32.
+
+    23 hash bits + 0.5 fit a float32 exactly, so U is strictly inside (0, 1) (with 24 bits the top
+    value rounded to 1.0, E = -log U was 0 and that token won the race whatever its probability)."""
     s = (seed ^ (seed >> 32)) & _M32
-    h = _mix32(s ^ _mix32((position & _M32) + 0x3C6EF372))
+    h = _mix32(s ^ _mix32(((position & _M32) + 0x3C6EF372) & _M32))
     ids = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)
-    x = _mix32((h[:, None] + ids[None, :] * 0x1B873593) & _M32)
-    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    return hash_to_unit(_mix32((h[:, None] + ids[None, :] * 0x1B873593) & _M32))
 
 
-def _filter(logp: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """Mask (to -inf) what top-k, top-p and min-p exclude; logp are log-probabilities [N, V]."""
-    sorted_lp, _ = logp.sort(dim=-1, descending=True)
-    vocab = logp.shape[-1]
-    # top-k: keep values >= the k-th largest
-    k = torch.where(st.top_k > 0, st.top_k.clamp(max=vocab), torch.full_like(st.top_k, vocab))
-    kth = sorted_lp.gather(1, (k - 1)[:, None])
-    keep = logp >= kth
-    # top-p: keep the smallest prefix whose mass reaches top_p (the token crossing it included)
-    probs_sorted = sorted_lp.exp()
-    mass_before = probs_sorted.cumsum(-1) - probs_sorted
-    last = (mass_before < st.top_p[:, None]).sum(-1, keepdim=True).clamp(min=1)
-    pth = sorted_lp.gather(1, last - 1)
-    neg_inf = torch.full_like(pth, float("-inf"))
-    keep &= logp >= torch.where(st.top_p[:, None] >= 1.0, neg_inf, pth)
-    # min-p: keep tokens with p >= min_p * p_max
-    mth = sorted_lp[:, :1] + torch.log(st.min_p[:, None].clamp(min=1e-30))
-    keep &= logp >= torch.where(st.min_p[:, None] > 0, mth, neg_inf)
-    return logp.masked_fill(~keep, float("-inf"))
+def hash_to_unit(x: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes (int64 tensor) -> float32 strictly inside (0, 1)."""
+    return ((x >> 9).to(torch.float32) + 0.5) * 1.1920928955078125e-07
+
+
+def log32(x: torch.Tensor) -> torch.Tensor:
+    """Natural log of positive normal float32 (Cephes logf, ~1 ulp) from IEEE adds and multiplies only,
+    in the exact order of the Triton kernel's ``_log32``: bit-identical on CPU, GPU and the interpreter."""
+    bits = x.view(torch.int32)
+    e = (bits >> 23) - 126
+    m = ((bits & 0x007FFFFF) | 0x3F000000).view(torch.float32)  # x = m * 2^e, m in [0.5, 1)
+    small = m < _SQRT_HALF
+    e = torch.where(small, e - 1, e).to(torch.float32)
+    f = torch.where(small, (m + m) - 1.0, m - 1.0)
+    z = f * f
+    y = f * _LOG_POLY[0] + _LOG_POLY[1]
+    for c in _LOG_POLY[2:]:
+        y = y * f + c
+    y = (y * f) * z
+    y = y + e * _LOG_Q1
+    y = y + z * -0.5
+    return (f + y) + e * _LOG_Q2
 
 
 def suppress_mask(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -80,30 +103,56 @@ def suppress_mask(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return mask[:, :vocab_size]
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, V] (float32) -> (token ids [N] int64, logprobs [N] float32)."""
+def keep_mask(s: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """What top-k, top-p and min-p keep of scaled logits s [N, V] (-inf = suppressed), by sorting."""
+    sorted_s, _ = s.sort(dim=-1, descending=True)
+    vocab = s.shape[-1]
+    neg_inf = torch.full_like(sorted_s[:, :1], float("-inf"))
+    # top-k: keep values >= the k-th largest
+    k = torch.where(st.top_k > 0, st.top_k.clamp(max=vocab), torch.full_like(st.top_k, vocab))
+    keep = s >= sorted_s.gather(1, (k - 1)[:, None])
+    # top-p: keep the smallest prefix whose mass reaches top_p (the token crossing it included)
+    probs_sorted = torch.softmax(sorted_s, dim=-1)
+    mass_before = probs_sorted.cumsum(-1) - probs_sorted
+    last = (mass_before < st.top_p[:, None]).sum(-1, keepdim=True).clamp(min=1)
+    keep &= s >= torch.where(st.top_p[:, None] >= 1.0, neg_inf, sorted_s.gather(1, last - 1))
+    # min-p: keep tokens with p >= min_p * p_max
+    mth = sorted_s[:, :1] + log32(st.min_p[:, None].clamp(min=1e-30))
+    return keep & (s >= torch.where(st.min_p[:, None] > 0, mth, neg_inf))
+
+
+def sample_torch(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: logits [N, V] -> (token ids [N] int64, logprobs [N] float32)."""
     logits = logits.float()
     greedy = st.temperature == 0
-    temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
+    inv_t = 1.0 / torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
+    s = logits * inv_t[:, None]  # T = 1 for greedy rows
     raw_lp = torch.log_softmax(logits, dim=-1)
-    policy_lp = torch.log_softmax(logits / temp[:, None], dim=-1)  # T = 1 for greedy rows
-    proc = policy_lp
+    policy_lp = torch.log_softmax(s, dim=-1)
+    proc_s = s
     if st.suppress_ids is not None:
-        proc = proc.masked_fill(suppress_mask(st.suppress_ids, logits.shape[-1]), float("-inf"))
+        proc_s = proc_s.masked_fill(suppress_mask(st.suppress_ids, logits.shape[-1]), float("-inf"))
     if st.needs_filter:
-        proc = _filter(proc, st)
-    if st.suppress_ids is not None or st.needs_filter:
-        proc = torch.log_softmax(proc, dim=-1)  # renormalise what is left
+        proc_s = proc_s.masked_fill(~keep_mask(proc_s, st), float("-inf"))
+    proc_lp = policy_lp if proc_s is s else torch.log_softmax(proc_s, dim=-1)  # renormalise what is left
     if st.all_greedy:
-        tokens = proc.argmax(-1)
+        tokens = proc_s.argmax(-1)
     else:
-        noise = uniform_noise(st.seed, st.position, logits.shape[-1])
-        race = proc - torch.log(-torch.log(noise))  # argmax(p / E) == argmax(log p - log E)
-        tokens = torch.where(greedy, proc.argmax(-1), race.argmax(-1))
+        race = proc_s - log32(-log32(uniform_noise(st.seed, st.position, logits.shape[-1])))
+        tokens = torch.where(greedy, proc_s.argmax(-1), race.argmax(-1))  # argmax(p / E) == argmax(s - log E)
     idx = tokens[:, None]
     lp = torch.where(
         st.mode == MODE_RAW,
         raw_lp.gather(1, idx)[:, 0],
-        torch.where(st.mode == MODE_PROCESSED, proc.gather(1, idx)[:, 0], policy_lp.gather(1, idx)[:, 0]),
+        torch.where(st.mode == MODE_PROCESSED, proc_lp.gather(1, idx)[:, 0], policy_lp.gather(1, idx)[:, 0]),
     )
     return tokens, lp
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] -> (token ids [N] int64, logprobs [N] float32): the fused kernel on CUDA, else torch."""
+    if logits.is_cuda:
+        from rollout.kernels.sampling import fused_sample
+
+        return fused_sample(logits, st)
+    return sample_torch(logits, st)
