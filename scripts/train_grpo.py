@@ -1,42 +1,57 @@
 """GRPO with TRL, generating with the rollout engine, which follows the trainer's weights step by step.
 
-    python scripts/train_grpo.py                              # embedded tiny Llama, CPU, a few minutes
-    python scripts/train_grpo.py train.steps=100 train.reward=exact_match model.path=/ckpt
-    python scripts/train_grpo.py train.trainer=async_grpo     # TRL's AsyncGRPOTrainer, engine in-process
+    rollout-train-grpo                                        # embedded tiny Llama, CPU, about a minute
+    rollout-train-grpo model=qwen3-0.6b engine=h200 train.steps=100 train.reward=exact_match
+    rollout-train-grpo train.reward=my_pkg.rewards:score      # any TRL-signature reward function
+    rollout-train-grpo +train.grpo.loss_type=dr_grpo +train.grpo.epsilon_high=0.28 # any GRPOConfig field
+    rollout-train-grpo train.trainer=async_grpo               # TRL's AsyncGRPOTrainer, engine in-process
+    rollout-train-grpo train.sleep_level=1                    # co-located: the engine frees its KV cache
+                                                              # while the trainer trains
 
-Configured like the main job (conf/train_grpo.yaml reuses its groups). Prints the reward of every step,
-writes output_dir/metrics.jsonl (one line per logged step) and logs to W&B (offline by default).
-Everything a user can get wrong is checked before loading; the script then prints ``error: ...`` and
-exits with status 2.
+(``python -m scripts.train_grpo ...`` from the repo root does the same.) Configured like the main job
+(conf/train_grpo.yaml reuses its groups and presets). The engine's logprobs feed TRL's importance-sampling
+correction (``EngineGRPOTrainer``). Logs a line per step (Hydra's log file too), writes output_dir/
+metrics.jsonl and step_times.json (generation / weight push / training seconds per step), and logs to the
+trainer's W&B run (offline by default) with the engine's ``rollout/*`` metrics and its resolved config.
+Everything a user can get wrong is checked before loading; the script then logs ``error: ...`` and exits
+with status 2.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import difflib
+import logging
 import os
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# scripts/rollout.py is named like the package: drop this directory from the path so `import rollout`
-# finds the package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _HERE]
+import hydra
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from transformers import TrainerCallback
 
-import hydra  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
-from omegaconf.errors import OmegaConfBaseException  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
+from rollout.job.config import JobConfig
+from trainer_hooks import train_setup as setup
+from trainer_hooks.engine_metrics import StepTimes
 
-from rollout.job.config import DataConfig, JobConfig, WandbConfig  # noqa: E402
-from rollout.job.rewards import exact_match  # noqa: E402
-from trainer_hooks.trl import digit_fraction  # noqa: E402
-
+log = logging.getLogger("rollout.train")
 TRAINERS = ("grpo", "async_grpo")
-TRAIN_REWARDS = {"digit_fraction": digit_fraction, "exact_match": exact_match}
 USER_ERRORS = (ValueError, FileNotFoundError)
+# GRPOConfig fields this script derives from other keys: set those keys instead.
+DERIVED = {
+    "output_dir": "output_dir", "max_steps": "train.steps", "learning_rate": "train.learning_rate",
+    "logging_steps": "train.logging_steps", "seed": "train.seed", "max_grad_norm": "train.max_grad_norm",
+    "beta": "train.beta", "num_generations": "sampling.n", "max_completion_length": "sampling.max_tokens",
+    "temperature": "sampling.temperature", "top_p": "sampling.top_p", "top_k": "sampling.top_k",
+    "min_p": "sampling.min_p", "generation_kwargs": "sampling.*", "per_device_train_batch_size":
+    "data.num_prompts (x sampling.n, split by train.grpo.gradient_accumulation_steps)", "report_to":
+    "logger.wandb.mode", "run_name": "logger.wandb.name", "shuffle_dataset": "data.shuffle",
+    "disable_tqdm": "logger.progress", "use_vllm": "(the engine generates)",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,51 +65,26 @@ class TrainConfig:
     logging_steps: int = 1
     seed: int = 0
     torch_threads: int | None = 1
+    sleep_level: int = 0
+    grpo: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check("trainer", self.trainer in TRAINERS, self.trainer, f"one of {list(TRAINERS)}")
-        _check("reward", self.reward in TRAIN_REWARDS, self.reward, f"one of {sorted(TRAIN_REWARDS)}")
-        for key in ("steps", "logging_steps"):
-            _check(key, _is_int(getattr(self, key)) and getattr(self, key) >= 1, getattr(self, key), "an int >= 1")
-        _check("seed", _is_int(self.seed) and self.seed >= 0, self.seed, "an int >= 0")
-        for key in ("learning_rate", "max_grad_norm"):
-            value = getattr(self, key)
-            _check(key, _is_num(value) and value > 0, value, "a number > 0")
-        _check("beta", _is_num(self.beta) and self.beta >= 0, self.beta, "a number >= 0")
+        setup.check("trainer", self.trainer in TRAINERS, self.trainer, f"one of {list(TRAINERS)}")
+        setup.check_common(self)
+        setup.check("beta", setup.is_num(self.beta) and self.beta >= 0, self.beta, "a number >= 0")
         if self.trainer == "async_grpo":
-            _check("beta", self.beta == 0, self.beta, "0 with train.trainer=async_grpo (no reference model)")
-        threads = self.torch_threads
-        _check("torch_threads", threads is None or (_is_int(threads) and threads >= 1), threads, "an int >= 1 or null")
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
-
-
-def _check(key: str, ok: bool, value: object, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"train.{key}={value!r} is invalid: must be {allowed}")
+            setup.check("beta", self.beta == 0, self.beta, "0 with train.trainer=async_grpo (no reference model)")
+            setup.check("sleep_level", self.sleep_level == 0, self.sleep_level,
+                        "0 with train.trainer=async_grpo (the engine generates while the trainer trains)")
+        setup.check("grpo", isinstance(self.grpo, dict), self.grpo, "a mapping of GRPOConfig fields")
 
 
 def load_config(raw: dict[str, Any]) -> tuple[JobConfig, TrainConfig]:
-    """The shared groups through JobConfig (same checks and messages as the main job), plus ``train``."""
-    raw = dict(raw)
-    train = dict(raw.pop("train", None) or {})
-    unknown = sorted(set(train) - {f.name for f in dataclasses.fields(TrainConfig)})
-    if unknown:
-        raise ValueError(f"unknown key(s) {[f'train.{k}' for k in unknown]}; allowed: "
-                         f"{sorted(f.name for f in dataclasses.fields(TrainConfig))}")
-    job = JobConfig.from_dict(raw)
-    if job.sampling.logprobs_mode != "policy":
-        raise ValueError(f"sampling.logprobs_mode={job.sampling.logprobs_mode!r} is invalid for training: "
-                         "must be 'policy' (the logprob the trainer recomputes)")
+    job, train = setup.load_job(raw, TrainConfig)
     if job.sampling.n < 2:
         raise ValueError(f"sampling.n={job.sampling.n} is invalid for GRPO: must be >= 2 (a group needs a baseline)")
-    return job, TrainConfig(**train)
+    check_passthrough(train, config_class(train.trainer))  # before anything loads
+    return job, train
 
 
 def run(cfg: DictConfig) -> Path:
@@ -107,139 +97,136 @@ def run(cfg: DictConfig) -> Path:
 
 
 def train_grpo(job: JobConfig, train: TrainConfig) -> Path:
-    import torch
-    from transformers import AutoTokenizer
+    from transformers import PrinterCallback
 
-    from rollout import Engine
-    from rollout.assets import check_checkpoint_dir, materialize_default_model
-    from trainer_hooks.trl import trl_reward
+    from rollout.job.rewards import load_reward
 
     out = Path(job.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if train.torch_threads is not None:
-        torch.set_num_threads(train.torch_threads)
-    model_dir = (check_checkpoint_dir(job.model.path) if job.model.path is not None
-                 else materialize_default_model(job.model.cache_dir, seed=job.model.seed))
-    tokenizer = AutoTokenizer.from_pretrained(str(job.model.tokenizer or model_dir))
-    dataset = build_dataset(job.data, tokenizer, need_answer=train.reward == "exact_match")
-    engine = Engine.from_pretrained(str(model_dir), dtype=job.model.dtype, device=job.model.device,
-                                    tokenizer=tokenizer, **dataclasses.asdict(job.engine))
-    reward = trl_reward(TRAIN_REWARDS[train.reward], train.reward)
-    args = trainer_args(job, train, engine, report_to=wandb_env(job.logger.wandb, out))
+    setup.torch_threads(train.torch_threads)
+    checkpoint = setup.model_dir(job)
+    tokenizer = setup.load_tokenizer(job, checkpoint)
+    dataset = setup.build_dataset(job.data, tokenizer, train.reward)
+    reward = load_reward(train.reward, "train.reward")
+    engine = setup.make_engine(job, checkpoint, tokenizer)
+    args = trainer_args(job, train, engine, report_to=setup.wandb_env(job.logger.wandb, out))
+    run_config = {"job": job.to_dict(), "train": dataclasses.asdict(train)}
+    rollout = None
     if train.trainer == "grpo":
+        import torch
         from transformers import AutoModelForCausalLM
-        from trl import GRPOTrainer
 
+        from trainer_hooks.grpo import EngineGRPOTrainer
         from trainer_hooks.trl import TRLRollout
 
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=dataset,
-                              processing_class=tokenizer, rollout_func=TRLRollout(engine))
+        model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+        rollout = TRLRollout(engine, sleep_level=train.sleep_level, run_config=run_config)
+        trainer = EngineGRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=dataset,
+                                    processing_class=tokenizer, rollout_func=rollout)
     else:
-        from trainer_hooks.async_grpo import build_async_grpo_trainer
+        from trainer_hooks.async_trainer import EngineAsyncGRPOTrainer
 
-        trainer = build_async_grpo_trainer(str(model_dir), engine, [reward], args, dataset, tokenizer)
-    printer = StepPrinter(out / "metrics.jsonl", train.reward)
-    trainer.add_callback(printer)
-    print(f"GRPO ({train.trainer}) on {model_dir.name}: {train.steps} steps x {job.data.num_prompts} prompts x "
-          f"{job.sampling.n} samples, reward {train.reward}, engine on {engine.device}", flush=True)
-    trainer.train()
-    print(printer.summary(), flush=True)
+        trainer = EngineAsyncGRPOTrainer(str(checkpoint), engine, [reward], args, dataset, tokenizer,
+                                         run_config=run_config)
+    steps = StepCallback(out, train.reward, rollout)
+    trainer.add_callback(steps)
+    trainer.remove_callback(PrinterCallback)  # its raw dict per step is replaced by StepLog's line
+    log.info("GRPO (%s) on %s: %d steps x %d prompts x %d samples, reward %s, engine on %s",
+             train.trainer, checkpoint.name, train.steps, job.data.num_prompts, job.sampling.n, train.reward,
+             engine.device)
+    exit_code = 1
+    try:
+        trainer.train()
+        exit_code = 0
+    finally:
+        setup.finish_wandb(exit_code)
+    log.info(steps.log.summary())
     return out
 
 
-def build_dataset(cfg: DataConfig, tokenizer: Any, need_answer: bool) -> Any:
-    """``prompt`` (chat messages when templated, as TRL expects) and ``answer`` columns from data.*."""
-    from rollout.job.data import load_rows
+def config_class(trainer: str) -> type:
+    if trainer == "grpo":
+        from trl import GRPOConfig
 
-    rows = load_rows(cfg)
-    fields = list(rows.column_names)
-    where = cfg.path or "the embedded dataset"
-    if cfg.prompt_field not in fields:
-        raise ValueError(f"data.prompt_field={cfg.prompt_field!r} is not a field of {where!r}; its fields are {fields}")
-    answer = cfg.answer_field if cfg.answer_field in fields else None
-    if need_answer and answer is None:
-        raise ValueError(f"train.reward=exact_match needs answers but data.answer_field={cfg.answer_field!r} "
-                         f"is not a field of {where!r}; its fields are {fields}")
-    has_template = getattr(tokenizer, "chat_template", None) is not None
-    template = has_template if cfg.apply_chat_template == "auto" else bool(cfg.apply_chat_template)
+        return GRPOConfig
+    from trl.experimental.async_grpo import AsyncGRPOConfig
 
-    def convert(row: dict[str, Any]) -> dict[str, Any]:
-        prompt = row[cfg.prompt_field]
-        messages = isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt)
-        if not (isinstance(prompt, str) or messages):
-            raise ValueError(f"data.prompt_field={cfg.prompt_field!r}: training needs text or chat messages, "
-                             f"got {prompt!r:.100}")
-        if isinstance(prompt, str) and template:
-            prompt = [{"role": "user", "content": prompt}]
-        return {"prompt": prompt, "answer": None if answer is None else str(row[answer])}
+    return AsyncGRPOConfig
 
-    return rows.map(convert, remove_columns=fields)
+
+def check_passthrough(train: TrainConfig, cls: type) -> None:
+    """``train.grpo.*`` must name fields of the trainer's config class that this script does not derive."""
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    for key in train.grpo:
+        if key in DERIVED:
+            raise ValueError(f"train.grpo.{key} is set by this script from {DERIVED[key]}; set that instead")
+        if key not in fields:
+            close = difflib.get_close_matches(key, sorted(fields), n=3)
+            hint = f"; did you mean {close}?" if close else ""
+            raise ValueError(f"train.grpo.{key} is not a field of trl.{cls.__name__} (train.trainer="
+                             f"{train.trainer}){hint} Allowed: any of its {len(fields)} fields except "
+                             f"{sorted(DERIVED)}")
 
 
 def trainer_args(job: JobConfig, train: TrainConfig, engine: Any, report_to: list[str]) -> Any:
     """GRPOConfig (or AsyncGRPOConfig): one optimizer step per generation batch of num_prompts groups."""
     s = job.sampling
+    extra = dict(train.grpo)
+    batch = job.data.num_prompts * s.n
+    accumulation = int(extra.pop("gradient_accumulation_steps", 1))
+    if accumulation < 1 or batch % accumulation:
+        raise ValueError(f"train.grpo.gradient_accumulation_steps={accumulation} must be >= 1 and divide "
+                         f"data.num_prompts * sampling.n = {batch}")
     values: dict[str, Any] = dict(
         output_dir=job.output_dir, max_steps=train.steps, learning_rate=train.learning_rate,
         logging_steps=train.logging_steps, seed=train.seed, max_grad_norm=train.max_grad_norm,
         num_generations=s.n, max_completion_length=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-        top_k=s.top_k, min_p=s.min_p or None, per_device_train_batch_size=job.data.num_prompts * s.n,
-        gradient_accumulation_steps=1, use_cpu=engine.device.type == "cpu", bf16=False, report_to=report_to,
-        save_strategy="no", disable_tqdm=not job.logger.progress, run_name=job.logger.wandb.name,
+        top_k=s.top_k, min_p=s.min_p or None, per_device_train_batch_size=batch // accumulation,
+        gradient_accumulation_steps=accumulation, use_cpu=engine.device.type == "cpu",
+        bf16=engine.device.type == "cuda", report_to=report_to, save_strategy="no",
+        disable_tqdm=not job.logger.progress, run_name=job.logger.wandb.name,
     )
-    extra = {"min_tokens": s.min_tokens, "stop": list(s.stop) or None, "ignore_eos": s.ignore_eos, "seed": s.seed}
+    kwargs = {"min_tokens": s.min_tokens, "stop": list(s.stop) or None, "ignore_eos": s.ignore_eos, "seed": s.seed}
+    cls = config_class(train.trainer)
     if train.trainer == "grpo":
-        from trl import GRPOConfig
-
-        return GRPOConfig(**values, beta=train.beta, shuffle_dataset=job.data.shuffle, generation_kwargs=extra)
-    from trl.experimental.async_grpo import AsyncGRPOConfig
-
-    if any(v not in (None, 0, False) for v in extra.values()):
-        raise ValueError("sampling.min_tokens / stop / ignore_eos / seed are not used by train.trainer=async_grpo")
-    return AsyncGRPOConfig(**values, gradient_checkpointing=False, token_budget=0)
-
-
-def wandb_env(cfg: WandbConfig, output_dir: Path) -> list[str]:
-    """``report_to`` for the trainer; transformers' W&B callback reads the rest from the environment."""
-    if cfg.mode == "disabled":
-        return ["none"]
-    env = {"WANDB_MODE": cfg.mode, "WANDB_PROJECT": cfg.project, "WANDB_DIR": str(output_dir),
-           "WANDB_DISABLE_GIT": "true", "WANDB_CONSOLE": "off"}
-    if cfg.mode == "offline":
-        env["WANDB_SILENT"] = "true"
-    for key, value in (("WANDB_ENTITY", cfg.entity), ("WANDB_RUN_GROUP", cfg.group),
-                       ("WANDB_TAGS", ",".join(cfg.tags) or None)):
-        if value:
-            env[key] = value
-    os.environ.update(env)
-    return ["wandb"]
+        values.update(beta=train.beta, shuffle_dataset=job.data.shuffle, generation_kwargs=kwargs,
+                      vllm_importance_sampling_mode="token_truncate")  # truncated IS per token, as TRL for vLLM
+    else:
+        if any(v not in (None, 0, False) for v in kwargs.values()):
+            raise ValueError("sampling.min_tokens / stop / ignore_eos / seed are not used by train.trainer=async_grpo")
+        values.update(gradient_checkpointing=False, token_budget=0)
+    values.update(extra)
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"trl.{cls.__name__} refused the settings (train.grpo.* and the derived ones): {e}") from None
 
 
-class StepPrinter(TrainerCallback):
-    """Prints the reward of every logged step and appends the step's logs to metrics.jsonl."""
+class StepCallback(TrainerCallback):
+    """Per logged step: StepLog's line + metrics.jsonl; per optimizer step (GRPO): the time split."""
 
-    def __init__(self, path: Path, reward_name: str) -> None:
-        self.path, self.reward_name = path, reward_name
-        self.rewards: list[float] = []
+    def __init__(self, out: Path, reward_name: str, rollout: Any = None) -> None:
+        self.log = setup.StepLog(out / "metrics.jsonl", reward_name)
+        self.rollout = rollout
+        self.times = StepTimes(out / "step_times.json")
+        self._t0 = 0.0
+        self._seconds: dict[str, float] = {}
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        self._t0 = time.perf_counter()
+        self._seconds = dict(self.rollout.seconds) if self.rollout is not None else {}
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        if self.rollout is None:
+            return
+        now = self.rollout.seconds
+        self.times.add(state.global_step, time.perf_counter() - self._t0,
+                       now["generation"] - self._seconds["generation"],
+                       now["weight_push"] - self._seconds["weight_push"])
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
-        if not logs or "reward" not in logs:
-            return
-        self.rewards.append(float(logs["reward"]))
-        length = logs.get("completions/mean_length", logs.get("rollout/completion_len_mean", float("nan")))
-        print(f"step {state.global_step:4d}  reward {logs['reward']:.3f} (std {logs.get('reward_std', 0):.3f})  "
-              f"completion length {length:.1f}", flush=True)
-        with self.path.open("a") as f:
-            f.write(json.dumps({"step": state.global_step, **logs}, default=float) + "\n")
-
-    def summary(self) -> str:
-        r = self.rewards
-        if not r:
-            return "no reward was logged"
-        k = max(1, len(r) // 5)
-        return (f"{self.reward_name}: mean of the first {k} steps {sum(r[:k]) / k:.3f} -> "
-                f"last {k} steps {sum(r[-k:]) / k:.3f}")
+        if logs:
+            self.log.add(state.global_step, logs)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train_grpo")
@@ -247,12 +234,17 @@ def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
     except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        log.error("error: %s", e)
         sys.exit(2)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console entry point (``rollout-train-grpo``)."""
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     main()
+
+
+if __name__ == "__main__":
+    cli()

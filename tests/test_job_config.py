@@ -72,7 +72,7 @@ def test_round_trip() -> None:
         ("data.prompt_field=''", "data.prompt_field='' is invalid: must be a non-empty string"),
         ("rollout.rounds=0", "rollout.rounds=0 is invalid: must be an int >= 1"),
         ("rollout.resume=3", "rollout.resume=3 is invalid: must be true or false"),
-        ("rollout.reward=f1", "rollout.reward='f1' is invalid: must be one of ['exact_match'] or null"),
+        ("rollout.reward=f1", "rollout.reward='f1' is invalid: must be one of ['digit_fraction', 'exact_match']"),
         ("logger.wandb.mode=sometimes", "logger.wandb.mode='sometimes' is invalid: must be one of ['online'"),
         ("logger.log_every_steps=0", "logger.log_every_steps=0 is invalid"),
         ("model.dtype=fp8", "model.dtype='fp8' is invalid: must be one of ['auto', 'bfloat16'"),

@@ -7,9 +7,10 @@ thread that steps the engine (one request per prompt group, ``n = num_generation
 shares its prompt's KV), and ``EngineWeightTransfer`` calls ``push_weights``, which lands between two
 engine steps and recomputes running sequences, so generation never stops for a sync.
 
-Two things TRL's trainer needs that a CPU does not have, which ``build_async_grpo_trainer`` supplies
-when CUDA is absent: its packed "tree" attention calls a FlashAttention-3 Hub kernel (replaced by the
-plain-torch ``torch_tree_attention``), and it reads the GPU's name for MFU (answered with "unknown").
+The engine's per-token logprobs are each sample's ``old_log_probs``: AsyncGRPOTrainer's clipped ratio is
+taken against the generator's own logprobs (TRL's design for vLLM). Both plug-ins put ``rollout/*``
+engine metrics on the worker's ``metrics_queue``, which the trainer drains into its logs.
+``trainer_hooks.async_trainer.build_async_grpo_trainer`` wires them up.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer_hooks.engine_metrics import EngineWindow, policy_lag
 from trainer_hooks.trl import sampling_params_from_args
 from trainer_hooks.weights import normalize_name, push_weights, resolve_engine
 
@@ -34,11 +36,13 @@ class EngineWeightTransfer:
     """``WeightTransferProtocol`` for an in-process engine. Version k is the trainer's k-th sync, which
     is exactly ``AsyncGRPOTrainer.model_version`` once that sync completes."""
 
-    def __init__(self, engine_or_actor: Any, start_version: int = 0) -> None:
+    def __init__(self, engine_or_actor: Any, start_version: int = 0, metrics_queue: queue.Queue | None = None
+                 ) -> None:
         self.target = engine_or_actor
         resolve_engine(engine_or_actor)
         self.version = start_version
         self.seconds: list[float] = []
+        self.metrics_queue = metrics_queue  # the worker's: push times reach the trainer's logs with the rest
 
     def init_weight_transfer(self) -> None:
         """Nothing to connect: the engine shares the process."""
@@ -52,6 +56,9 @@ class EngineWeightTransfer:
         push_weights(self.target, plain, version=self.version + 1)
         self.version += 1
         self.seconds.append(time.perf_counter() - t0)
+        if self.metrics_queue is not None:
+            with contextlib.suppress(queue.Full):
+                self.metrics_queue.put_nowait({"rollout/weight_push_s": self.seconds[-1]})
 
     def resume(self) -> None:
         """Nothing to resume (see ``pause``)."""
@@ -87,6 +94,7 @@ class EngineRolloutWorker:
         self._thread: threading.Thread | None = None
         self._pending: dict[str, tuple[int, dict[str, Any], list[int]]] = {}
         self._next_group = 0
+        self._window: EngineWindow | None = None
 
     # ---- protocol -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -94,6 +102,7 @@ class EngineRolloutWorker:
             return
         self._stop.clear()
         self.heartbeat = time.time()
+        self._window = EngineWindow(self.engine)
         self._thread = threading.Thread(target=self._run, name="engine-rollout-worker", daemon=True)
         self._thread.start()
 
@@ -176,11 +185,14 @@ class EngineRolloutWorker:
                 model_version=min(c.policy_versions) if c.policy_versions else self.engine.policy_version,
                 group_id=group, metrics=metrics, enqueued_at=now,
             ))
+        engine_metrics = {"rollout/completion_len_mean": float(np.mean([len(c.token_ids) for c in comps]))}
+        engine_metrics.update(policy_lag(self.model_version, [c.policy_versions for c in comps]))
+        if self._window is not None:  # engine counters since the previous finished group
+            engine_metrics.update(self._window.close())
+            engine_metrics.pop("rollout/generation_s")  # a window here is not one generation (groups overlap)
+            self._window = EngineWindow(self.engine)
         with contextlib.suppress(queue.Full):
-            self.metrics_queue.put_nowait({
-                "rollout/completion_len_mean": float(np.mean([len(c.token_ids) for c in comps])),
-                "rollout/engine_policy_version": float(self.engine.policy_version),
-            })
+            self.metrics_queue.put_nowait(engine_metrics)
 
     def _score(self, row: dict[str, Any], completions: list[Any], ids: list[list[int]]
                ) -> tuple[np.ndarray, dict[str, list[float]]]:
@@ -198,69 +210,3 @@ class EngineRolloutWorker:
     def _eos_ids(tokenizer: Any) -> list[int]:
         eos = getattr(tokenizer, "eos_token_id", None)
         return [eos] if isinstance(eos, int) else []
-
-
-# ---- running AsyncGRPOTrainer without CUDA ------------------------------------------------------------
-def torch_tree_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         attention_mask: Any, *, tree_kv_index: torch.Tensor, tree_cu_seqlens_q: torch.Tensor,
-                         tree_cu_seqlens_k: torch.Tensor, scaling: float | None = None,
-                         sliding_window: int | None = None, softcap: float | None = None, **_: Any
-                         ) -> tuple[torch.Tensor, None]:
-    """TRL's tree attention in plain torch: each packed segment attends, causally and aligned to its end
-    (FlashAttention's varlen convention), to the K/V rows of its root-to-segment path."""
-    q = query.transpose(1, 2)[0]
-    k = key.transpose(1, 2)[0].index_select(0, tree_kv_index)
-    v = value.transpose(1, 2)[0].index_select(0, tree_kv_index)
-    rep = q.shape[1] // k.shape[1]
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = torch.empty_like(q)
-    cu_q, cu_k = tree_cu_seqlens_q.tolist(), tree_cu_seqlens_k.tolist()
-    for s in range(len(cu_q) - 1):
-        qs = q[cu_q[s]:cu_q[s + 1]]
-        ks = k[cu_k[s]:cu_k[s + 1]].repeat_interleave(rep, dim=1)
-        vs = v[cu_k[s]:cu_k[s + 1]].repeat_interleave(rep, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", qs, ks).float() * scale
-        if softcap:
-            scores = softcap * torch.tanh(scores / softcap)
-        qpos = torch.arange(len(qs), device=q.device)[:, None] + (len(ks) - len(qs))
-        kpos = torch.arange(len(ks), device=q.device)[None, :]
-        allowed = kpos <= qpos
-        if sliding_window:
-            allowed &= kpos > qpos - sliding_window
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1).to(vs.dtype)
-        out[cu_q[s]:cu_q[s + 1]] = torch.einsum("hqk,khd->qhd", probs, vs)
-    return out.unsqueeze(0), None
-
-
-def build_async_grpo_trainer(model_path: str, engine_or_actor: Any, reward_funcs: list[Callable[..., list[float]]],
-                             args: Any, train_dataset: Any, processing_class: Any,
-                             torch_attention: bool | None = None, **kwargs: Any) -> Any:
-    """An ``AsyncGRPOTrainer`` wired to the engine (rollouts and weight sync), no vLLM server involved.
-
-    ``torch_attention`` (default: when CUDA is unavailable) swaps TRL's FlashAttention-3 tree attention for
-    ``torch_tree_attention`` and skips the GPU-name lookup TRL does for MFU. ``args.token_budget`` unset
-    defaults to the engine's ``max_model_len`` (TRL would ask the vLLM server).
-    """
-    from transformers import AttentionInterface
-    from trl.experimental.async_grpo import AsyncGRPOTrainer
-    from trl.experimental.async_grpo import async_grpo_trainer as trainer_module
-    from trl.experimental.async_grpo.packing import TREE_ATTENTION
-
-    engine = resolve_engine(engine_or_actor)
-    if args.token_budget is None:
-        args.token_budget = engine.max_model_len
-    use_torch = (not torch.cuda.is_available()) if torch_attention is None else torch_attention
-    worker = EngineRolloutWorker(engine_or_actor, train_dataset, reward_funcs, processing_class, args)
-    original = trainer_module.get_peak_flops_per_device
-    if use_torch:
-        trainer_module.get_peak_flops_per_device = lambda *a, **k: None
-    try:
-        trainer = AsyncGRPOTrainer(model=model_path, reward_funcs=reward_funcs, args=args,
-                                   train_dataset=train_dataset, processing_class=processing_class,
-                                   rollout_worker=worker, weight_transfer=EngineWeightTransfer(engine_or_actor),
-                                   **kwargs)
-    finally:
-        trainer_module.get_peak_flops_per_device = original
-    if use_torch:  # after construction: the trainer registers its own kernel under the same name
-        AttentionInterface.register(TREE_ATTENTION, torch_tree_attention)
-    return trainer

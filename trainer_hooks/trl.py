@@ -10,11 +10,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+from rollout.job.rewards import completion_text, digit_fraction, trl_reward  # noqa: F401  (re-exported)
 from rollout.sampling_params import SamplingParams
+from trainer_hooks.engine_metrics import (
+    EngineWindow,
+    add_to_wandb_config,
+    engine_run_config,
+    policy_lag,
+    reports_to_wandb,
+)
 from trainer_hooks.weights import HFWeights, push_weights, resolve_engine
 
 # SamplingParams fields that `generation_kwargs` may set (vLLM's names).
@@ -29,14 +37,31 @@ class TRLRollout:
     Before generating it pushes the trainer's weights to the engine when ``trainer.state.global_step``
     moved since the last push (and on the first call), as version ``global_step``. ``last_outputs``
     keeps the engine's ``RequestOutput``s of the latest call (for checks and logging).
+
+    Each call reports ``rollout/*`` engine metrics (see ``trainer_hooks.engine_metrics``) through the
+    trainer's ``_log_metric`` (the sink GRPOTrainer hands reward functions as ``log_metric``), so they land
+    in the trainer's own W&B run; the engine's resolved config joins that run's config on the first call.
+    ``sleep_level`` 1 or 2 co-locates the engine with the trainer: its KV cache (level 2: also its weights)
+    is released after every generation and restored before the next. ``run_config`` is added to the W&B
+    run's config next to the engine's.
     """
 
-    def __init__(self, engine_or_actor: Any, sync_weights: bool = True) -> None:
+    def __init__(self, engine_or_actor: Any, sync_weights: bool = True, sleep_level: int = 0,
+                 run_config: dict[str, Any] | None = None) -> None:
+        if sleep_level not in (0, 1, 2):
+            raise ValueError(f"sleep_level={sleep_level!r} is invalid: must be 0 (never sleep), 1 (free the KV "
+                             "cache between generations) or 2 (also move the engine's weights to the CPU)")
         self.target = engine_or_actor
         self.engine = resolve_engine(engine_or_actor)
         self.sync_weights = sync_weights
+        self.sleep_level = sleep_level
+        self.run_config = dict(run_config or {})
         self.synced_step: int | None = None
         self.last_outputs: list[Any] = []
+        self.last_metrics: dict[str, float] = {}
+        self.seconds = {"generation": 0.0, "weight_push": 0.0}  # running totals, for step-time splits
+        self._push_s: list[float] = []  # pushes since the last report
+        self._config_logged = False
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
         if not prompts:
@@ -47,9 +72,15 @@ class TRLRollout:
         runs = list(_runs(prompt_ids))
         base = sampling_params_from_args(trainer.args, getattr(trainer, "eos_token_ids", None))
         params = [dataclasses.replace(base, n=length) for _, length in runs]
+        self._wake()
+        window = EngineWindow(self.engine)
         outs = self.engine.generate([list(ids) for ids, _ in runs], params)
+        metrics = window.close()
+        self._sleep()
+        self.seconds["generation"] += metrics["rollout/generation_s"]
         self.last_outputs = outs
         rows: dict[str, list[Any]] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "policy_version": []}
+        versions = []
         for out in outs:
             for c in sorted(out.outputs, key=lambda c: c.index):
                 rows["prompt_ids"].append(list(out.prompt_token_ids))
@@ -57,7 +88,10 @@ class TRLRollout:
                 rows["logprobs"].append(list(c.logprobs))
                 version = min(c.policy_versions) if c.policy_versions else self.engine.policy_version
                 rows["policy_version"].append(int(version))
+                versions.append(c.policy_versions or [version])
         assert len(rows["prompt_ids"]) == len(prompts), (len(rows["prompt_ids"]), len(prompts))
+        metrics.update(policy_lag(int(trainer.state.global_step), versions))
+        self._report(trainer, metrics)
         return rows
 
     def maybe_sync(self, trainer: Any) -> bool:
@@ -66,10 +100,35 @@ class TRLRollout:
         if step == self.synced_step:
             return False
         model = trainer.accelerator.unwrap_model(trainer.model)
+        t0 = time.perf_counter()
         with merged_adapter(model):
             push_weights(self.target, HFWeights(model), version=step)
+        seconds = time.perf_counter() - t0
+        self._push_s.append(seconds)
+        self.seconds["weight_push"] += seconds
         self.synced_step = step
         return True
+
+    def _wake(self) -> None:
+        if self.sleep_level and self.engine.is_sleeping:
+            self.engine.wake_up()
+
+    def _sleep(self) -> None:
+        if self.sleep_level:
+            self.engine.sleep(self.sleep_level)
+
+    def _report(self, trainer: Any, metrics: dict[str, float]) -> None:
+        if self._push_s:
+            metrics["rollout/weight_push_s"] = sum(self._push_s) / len(self._push_s)
+            self._push_s.clear()
+        self.last_metrics = metrics
+        log_metric = getattr(trainer, "_log_metric", None)  # GRPOTrainer: averaged into the step's logs
+        if callable(log_metric):
+            for key, value in metrics.items():
+                log_metric(key, value)
+        args = getattr(trainer, "args", None)
+        if not self._config_logged and reports_to_wandb(getattr(args, "report_to", None)):
+            self._config_logged = add_to_wandb_config({"engine": engine_run_config(self.engine), **self.run_config})
 
 
 @contextlib.contextmanager
@@ -147,35 +206,3 @@ def sampling_params_from_args(args: Any, stop_token_ids: Sequence[int] | None = 
     if values.get("ignore_eos"):
         values.pop("stop_token_ids", None)
     return SamplingParams(**values)
-
-
-# ---- rewards in TRL's calling convention --------------------------------------------------------------
-def completion_text(completion: Any) -> str:
-    """A TRL completion as text: a string, or the content of chat messages."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, list):
-        return "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
-    return str(completion)
-
-
-def trl_reward(fn: Callable[[str, str | None], float], name: str | None = None) -> Callable[..., list[float]]:
-    """Wrap a ``(completion_text, answer) -> float`` reward (rollout.job.rewards) for ``GRPOTrainer``; the
-    dataset's ``answer`` column arrives as a keyword argument."""
-
-    def reward(prompts: list[Any], completions: list[Any], answer: list[Any] | None = None, **_: Any) -> list[float]:
-        answers = answer if answer is not None else [None] * len(completions)
-        return [float(fn(completion_text(c), None if a is None else str(a))) for c, a in zip(completions, answers)]
-
-    reward.__name__ = name or getattr(fn, "__name__", "reward")
-    return reward
-
-
-_DIGIT = re.compile(r"\d")
-
-
-def digit_fraction(completion: str, answer: str | None = None) -> float:
-    """Share of non-space characters that are digits: an "answer-shaped output" reward that a random-init
-    model learns within minutes (exact match would take far longer), for demos and smoke runs."""
-    chars = [ch for ch in completion if not ch.isspace()]
-    return sum(1 for ch in chars if _DIGIT.match(ch)) / len(chars) if chars else 0.0

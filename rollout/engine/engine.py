@@ -166,7 +166,7 @@ class Engine:
             launched = None
             if plan is not None:
                 launched = self.runner.execute(plan)
-                self.counters.on_launch(plan)
+                self.counters.on_launch(plan, self.block_manager.usage)
             previous = launched
             if self.async_mode:
                 previous, self._inflight = self._inflight, launched
@@ -351,7 +351,8 @@ class Engine:
             kv_bytes = self.kv.storage.numel() * self.kv.storage.element_size() if self.kv.allocated else 0
             return EngineStats(s.num_running, s.num_waiting, self.block_manager.usage, c.steps, s.num_preemptions,
                                s.num_generated_tokens, c.prompt, c.scheduled, c.busy_frac(compute),
-                               self.policy_version, compute, c.bytes, kv_bytes, self.kv.num_tokens, c.failed)
+                               self.policy_version, compute, c.bytes, kv_bytes, self.kv.num_tokens, c.failed,
+                               c.kv_usage)
 
 
 def build_runner(model: torch.nn.Module, kv: KVCache, c: EngineConfig, attn_backend: object, device: torch.device,

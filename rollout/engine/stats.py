@@ -25,6 +25,7 @@ class EngineStats:
     kv_cache_bytes: int = 0  # memory the KV cache holds now (0 while asleep)
     kv_cache_tokens: int = 0  # KV capacity in tokens
     num_failed_steps: int = 0  # steps that raised and were rolled back
+    kv_cache_usage_sum: float = 0.0  # kv_cache_usage summed over steps: a window's mean = delta / delta num_steps
 
 
 @dataclass(slots=True)
@@ -38,13 +39,15 @@ class StepCounters:
     prompt: int = 0
     bytes: int = 0
     failed: int = 0
+    kv_usage: float = 0.0  # block usage summed over launched steps
     t_first: float | None = None
     t_last: float = 0.0
 
-    def on_launch(self, plan: BatchPlan) -> None:
+    def on_launch(self, plan: BatchPlan, kv_usage: float = 0.0) -> None:
         if self.t_first is None:
             self.t_first = time.perf_counter()
         self.steps += 1
+        self.kv_usage += kv_usage
         self.scheduled += len(plan.seqs)
         self.prompt += plan.num_prompt_tokens
         self.bytes += self.weight_bytes + plan.num_context_tokens * self.kv_token_bytes

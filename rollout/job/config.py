@@ -24,7 +24,7 @@ from rollout.job.checks import (
     check_typed_fields,
     fail,
 )
-from rollout.job.rewards import REWARDS
+from rollout.job.rewards import check_reward_spec
 from rollout.sampling_params import LOGPROBS_MODES, SamplingParams
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -155,7 +155,7 @@ class RolloutConfig:
         if self.torch_threads is not None:
             check_int("rollout.torch_threads", self.torch_threads, lo=1, allowed="an int >= 1 or null")
         if self.reward is not None:
-            check_choice("rollout.reward", self.reward, tuple(REWARDS), f"one of {sorted(REWARDS)} or null")
+            check_reward_spec(self.reward)  # a shipped name or 'package.module:function'
         check_choice("rollout.mode", self.mode, ("drain", "partial"))
         if self.max_inflight_groups is not None:
             check_int("rollout.max_inflight_groups", self.max_inflight_groups, lo=1, allowed="an int >= 1 or null")

@@ -69,10 +69,12 @@ def config_record(job: JobConfig, job_seed: int) -> dict[str, Any]:
 
 
 def model_dir(job: JobConfig) -> Path:
-    from rollout.assets import check_checkpoint_dir, materialize_default_model
+    """A local checkpoint dir, a Hugging Face Hub name (fetched once: rollout.job.hub), or the embedded default."""
+    from rollout.assets import materialize_default_model
+    from rollout.job.hub import resolve_model_path
 
     if job.model.path is not None:
-        return check_checkpoint_dir(job.model.path)
+        return resolve_model_path(job.model.path)
     return materialize_default_model(job.model.cache_dir, seed=job.model.seed)
 
 

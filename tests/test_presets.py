@@ -1,0 +1,97 @@
+"""Presets (conf/model, conf/engine), hub names, console entry points: compose, validate, refuse clearly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import tomllib
+from omegaconf import OmegaConf
+
+from rollout.job.config import JobConfig
+from tests.script_helpers import ROOT, compose, load_script
+
+MODEL_PRESETS = {  # preset -> (hub name, max_model_len)
+    "qwen3-0.6b": ("Qwen/Qwen3-0.6B", 40960), "qwen3-8b": ("Qwen/Qwen3-8B", 40960),
+    "qwen2.5-1.5b": ("Qwen/Qwen2.5-1.5B-Instruct", 32768), "qwen2.5-7b": ("Qwen/Qwen2.5-7B-Instruct", 32768),
+    "llama3-8b": ("meta-llama/Llama-3.1-8B-Instruct", 32768),
+    "mistral-7b": ("mistralai/Mistral-7B-Instruct-v0.3", 32768),
+}
+
+
+def _raw(config_name: str, *overrides: str) -> dict:
+    return OmegaConf.to_container(compose(config_name, "output_dir=/tmp/unused", *overrides), resolve=True)
+
+
+@pytest.mark.parametrize("config_name, preset", [("config", p) for p in sorted(MODEL_PRESETS)]
+                         + [("train_grpo", "qwen3-8b"), ("train_ppo", "mistral-7b")])
+def test_model_presets_compose_and_validate(config_name, preset):
+    raw = _raw(config_name, f"model={preset}", "engine=h200")
+    if config_name == "config":
+        job = JobConfig.from_dict(raw)
+    else:
+        job, _ = load_script(config_name).load_config(raw)
+    assert (job.model.path, job.engine.max_model_len) == MODEL_PRESETS[preset]
+    assert job.data.apply_chat_template is True and job.model.dtype == "auto"
+    assert job.engine.max_num_seqs == 256  # the engine preset still applies
+    over = JobConfig.from_dict(_raw("config", f"model={preset}", "engine.max_model_len=4096"))
+    assert over.engine.max_model_len == 4096  # the command line wins over the preset
+
+
+def test_engine_presets():
+    cpu = JobConfig.from_dict(_raw("config", "engine=cpu")).engine
+    assert (cpu.async_mode, cpu.cuda_graphs, cpu.attention_backend) == (False, False, "torch")
+    assert cpu.cpu_kv_cache_gib == 2.0
+    h200 = load_script("train_ppo").load_config(_raw("train_ppo", "engine=h200"))[0].engine
+    assert (h200.max_num_seqs, h200.max_graph_batch_size, h200.gpu_memory_utilization) == (256, 256, 0.9)
+
+
+def test_unknown_preset_lists_what_exists():
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException) as info:
+        compose("train_grpo", "model=qwen4")
+    assert all(name in str(info.value) for name in [*MODEL_PRESETS, "default"]), str(info.value)
+    with pytest.raises(MissingConfigException, match="h200"):
+        compose("config", "engine=b200")
+
+
+def test_hub_name_offline_says_so(monkeypatch):
+    import huggingface_hub
+
+    from rollout.job.hub import is_hub_name, resolve_model_path
+
+    def offline(**_):
+        raise huggingface_hub.errors.LocalEntryNotFoundError("outgoing traffic has been disabled")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    assert is_hub_name("Qwen/Qwen3-0.6B") and not is_hub_name(str(ROOT / "conf"))
+    with pytest.raises(ValueError, match=r"model.path='Qwen/Qwen3-0.6B' .*snapshot_download could not fetch it "
+                                         r"\(LocalEntryNotFoundError.*Offline"):
+        resolve_model_path("Qwen/Qwen3-0.6B")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_model_path("/no/such/dir")
+
+
+def test_console_entry_points_run_the_scripts():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    import rollout.cli as cli
+
+    scripts = project["scripts"]
+    assert set(scripts) == {"rollout-run", "rollout-serve", "rollout-train-grpo", "rollout-train-ppo"}
+    for target in scripts.values():
+        module, func = target.split(":")
+        assert module == "rollout.cli" and callable(getattr(cli, func))
+    for name in ("train_grpo", "train_ppo"):
+        assert "sys.path" not in (ROOT / "scripts" / f"{name}.py").read_text()
+    # `--cfg job` through the entry point: Hydra composes from conf/ and prints the job config.
+    code = ("import sys; sys.argv = ['rollout-train-grpo', '--cfg', 'job', 'model=qwen3-0.6b', 'engine=h200']; "
+            "from rollout.cli import train_grpo; train_grpo()")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], cwd="/", env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    printed = OmegaConf.create(done.stdout)
+    assert printed.model.path == "Qwen/Qwen3-0.6B" and printed.engine.max_model_len == 40960
+    assert printed.train.trainer == "grpo"

@@ -1,0 +1,86 @@
+"""scripts/train_grpo.py: both trainers end to end (tiny, CPU), its W&B run, the GRPOConfig passthrough, errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from tests.script_helpers import compose, load_script
+from tests.wandb_offline import read_run
+
+SMALL = ("train.steps=2", "sampling.n=2", "sampling.max_tokens=4", "data.num_prompts=2")
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "async_grpo"])
+def test_train_script_runs_and_logs_rewards(tmp_path, caplog, trainer):
+    caplog.set_level(logging.INFO, logger="rollout.train")
+    out = load_script("train_grpo").run(compose(
+        "train_grpo", f"output_dir={tmp_path}", f"model.cache_dir={tmp_path / 'cache'}", f"train.trainer={trainer}",
+        "logger.wandb.mode=disabled", *SMALL,
+    ))
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2] and all("reward" in x for x in lines)
+    assert all("rollout/tokens_per_s" in x and "rollout/logprob_gap_max" in x for x in lines), sorted(lines[-1])
+    assert "step    2  reward" in caplog.text and "digit_fraction: mean of the first" in caplog.text
+
+
+def test_grpo_run_logs_engine_metrics_to_offline_wandb(tmp_path):
+    out = load_script("train_grpo").run(compose(
+        "train_grpo", f"output_dir={tmp_path}", f"model.cache_dir={tmp_path / 'cache'}", "logger.wandb.mode=offline",
+        "train.sleep_level=1", "+train.grpo.vllm_importance_sampling_clip_max=2.0", *SMALL,
+    ))
+    history, config = read_run(out / "wandb")
+    for key in ("rollout/tokens_per_s", "rollout/generation_s", "rollout/weight_push_s", "rollout/kv_cache_usage_mean",
+                "rollout/preemptions", "rollout/policy_lag_max", "rollout/logprob_gap_max",
+                "sampling/sampling_logp_difference/max", "sampling/importance_sampling_ratio/mean"):
+        assert f"train/{key}" in history, (key, sorted(history))
+    assert {"engine", "job", "train"} <= config, config
+    times = json.loads((out / "step_times.json").read_text())
+    assert [s["step"] for s in times["steps"]] == [1, 2]
+    assert all(s["generation_s"] > 0 and s["train_s"] > 0 for s in times["steps"])
+    assert times["steps"][1]["weight_push_s"] > 0  # the push after step 1 lands in step 2's window
+
+
+def test_grpo_config_passthrough():
+    script = load_script("train_grpo")
+    job, train = script.load_config(_raw("+train.grpo.loss_type=dr_grpo", "+train.grpo.epsilon_high=0.28",
+                                         "+train.grpo.gradient_accumulation_steps=4"))
+    from types import SimpleNamespace
+
+    args = script.trainer_args(job, train, SimpleNamespace(device=SimpleNamespace(type="cpu")), ["none"])
+    assert (args.loss_type, args.epsilon_high, args.gradient_accumulation_steps) == ("dr_grpo", 0.28, 4)
+    assert args.per_device_train_batch_size * 4 == job.data.num_prompts * job.sampling.n
+    assert args.vllm_importance_sampling_mode == "token_truncate"
+
+
+def _raw(*overrides: str) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(compose("train_grpo", "output_dir=/tmp/unused", *overrides), resolve=True)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.trainer=ppo", "train.trainer='ppo'"),
+        ("train.steps=0", "train.steps=0"),
+        ("+train.bogus=1", "train.bogus"),
+        ("sampling.n=1", "sampling.n=1"),
+        ("sampling.logprobs_mode=raw", "sampling.logprobs_mode='raw'"),
+        ("engine.block_size=12", "block_size"),
+        ("train.reward=nope", "train.reward='nope' is invalid: must be one of ['digit_fraction', 'exact_match']"),
+        ("train.sleep_level=3", "train.sleep_level=3"),
+        ("+train.grpo.loss_typo=dapo", "train.grpo.loss_typo is not a field of trl.GRPOConfig.*did you mean"),
+        ("+train.grpo.temperature=0.5", "train.grpo.temperature is set by this script from sampling.temperature"),
+        ("+train.grpo.gradient_accumulation_steps=3", "gradient_accumulation_steps=3 must be >= 1 and divide"),
+    ],
+)
+def test_train_script_refuses_bad_config(tmp_path, override, message):
+    script = load_script("train_grpo")
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("+", r"\+").replace("]", r"\]")):
+        job, train = script.load_config(_raw(override))
+        from types import SimpleNamespace
+
+        script.trainer_args(job, train, SimpleNamespace(device=SimpleNamespace(type="cpu")), ["none"])
