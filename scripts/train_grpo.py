@@ -29,14 +29,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-from transformers import TrainerCallback
+# scripts/rollout.py is named like the package: drop this directory from the path so that
+# `python scripts/<this>.py` imports the package, not that script.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _HERE]
 
-from rollout.job.config import JobConfig
-from trainer_hooks import train_setup as setup
-from trainer_hooks.engine_metrics import StepTimes
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf.errors import OmegaConfBaseException  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from rollout.job.config import JobConfig  # noqa: E402
+from trainer_hooks import train_setup as setup  # noqa: E402
+from trainer_hooks.engine_metrics import StepTimes  # noqa: E402
 
 log = logging.getLogger("rollout.train")
 TRAINERS = ("grpo", "async_grpo")
