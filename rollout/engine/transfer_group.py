@@ -1,0 +1,113 @@
+"""A weights-only ``torch.distributed`` group between one trainer (rank 0) and engines (ranks 1..N).
+
+A ``TCPStore`` plus ``ProcessGroupNCCL`` (CUDA) or ``ProcessGroupGloo`` (CPU), constructed directly and
+never through ``init_process_group``, so the trainer's own default process group is untouched. The store
+also carries each push's verdicts: receivers check the metadata before any byte moves and say so there,
+and the sender waits for every verdict before broadcasting.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+
+class TransferError(RuntimeError):
+    """The transport failed (peer gone, timeout): the group is unusable and must be created anew."""
+
+
+class PushRejected(ValueError):
+    """A receiver refused the push's metadata before any byte moved; the group stays usable."""
+
+
+class TransferGroup:
+    """Rank ``rank`` of a weights-only group: rank 0 hosts the store (the trainer), ranks >= 1 join it."""
+
+    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int,
+                 device: torch.device | str, timeout_s: float = 600.0) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
+                                   timeout=self.timeout, wait_for_workers=False)
+        self.port = self.store.port  # the real port when 0 asked the OS for a free one
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        prefix = dist.PrefixStore("rollout-weights/", self.store)
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.device)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = 2 * self.timeout  # our own waits time out first and abort the group: the
+            # NCCL watchdog, left to fire, would tear the whole server process down
+            self.pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+        else:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = self.timeout
+            local = master_address in ("127.0.0.1", "localhost", "::1")
+            dev = (dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if local
+                   else dist.ProcessGroupGloo.create_default_device())
+            opts._devices = [dev]
+            self.pg = dist.ProcessGroupGloo(prefix, rank, world_size, opts)
+        self.broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device)).wait()  # connect now, not mid-push
+        self.closed = False
+
+    @classmethod
+    def open_trainer(cls, device: torch.device | str, world_size: int = 2, master_address: str = "127.0.0.1",
+                     master_port: int = 0, timeout_s: float = 600.0) -> TransferGroup:
+        """The sender's end; blocks until every receiver joined (post their join concurrently)."""
+        return cls(master_address, master_port, 0, world_size, device, timeout_s)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> dist.Work:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        return self.pg.broadcast([tensor], opts)
+
+    def close(self) -> None:
+        if getattr(self, "closed", True):
+            return
+        self.closed = True
+        for method in ("abort", "shutdown") if self.backend == "nccl" else ():
+            fn = getattr(self.pg, method, None)
+            if fn is not None:
+                try:
+                    fn()
+                    break
+                except Exception:  # noqa: BLE001 - best effort on a group that may be broken already
+                    pass
+        self.pg = None  # type: ignore[assignment]
+        self.store = None  # type: ignore[assignment]
+
+
+def _verdict_key(push_id: int, rank: int) -> str:
+    return f"rollout-verdict/{push_id}/{rank}"
+
+
+def post_verdict(group: TransferGroup, push_id: int, error: str | None) -> None:
+    group.store.set(_verdict_key(push_id, group.rank), "ok" if error is None else "error: " + error)
+
+
+def await_verdicts(group: TransferGroup, push_id: int, alive: Callable[[], bool] = lambda: True) -> None:
+    """Sender: wait for every receiver's verdict; raise PushRejected with the first refusal's reason.
+
+    ``alive`` is polled while waiting (the HTTP request that carries the metadata may fail before a
+    verdict is posted); when it turns False the wait ends with TransferError.
+    """
+    keys = [_verdict_key(push_id, r) for r in range(1, group.world_size)]
+    deadline = time.monotonic() + group.timeout.total_seconds()
+    while not group.store.check(keys):
+        if not alive():
+            raise TransferError("the receiver gave no verdict (its request failed); nothing was sent")
+        if time.monotonic() > deadline:
+            raise TransferError(f"no verdict from the receivers within {group.timeout}")
+        time.sleep(0.001)
+    errors = [v for v in (group.store.get(k).decode() for k in keys) if v != "ok"]
+    for k in keys:
+        group.store.delete_key(k)
+    if errors:
+        raise PushRejected(errors[0].removeprefix("error: "))
+
+
