@@ -2,6 +2,8 @@
 
     from trainer_hooks import TRLRollout, push_weights
     trainer = GRPOTrainer(model, reward_funcs, args, train_dataset, rollout_func=TRLRollout(engine))
+    # or against a server (scripts/serve.py) in another process:
+    trainer = GRPOTrainer(..., rollout_func=TRLRollout(RolloutClient("http://127.0.0.1:8000")))
 
 Imports are lazy so that ``import trainer_hooks`` does not pull in trl or torch.
 """
@@ -19,6 +21,8 @@ __all__ = [
     "EngineRolloutWorker",
     "EngineWeightTransfer",
     "build_async_grpo_trainer",
+    "RolloutClient",
+    "save_snapshot",
 ]
 
 _WHERE = {
@@ -30,10 +34,14 @@ _WHERE = {
     "EngineRolloutWorker": "trainer_hooks.async_grpo",
     "EngineWeightTransfer": "trainer_hooks.async_grpo",
     "build_async_grpo_trainer": "trainer_hooks.async_grpo",
+    "RolloutClient": "trainer_hooks.client",
+    "save_snapshot": "trainer_hooks.snapshot",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer_hooks.async_grpo import EngineRolloutWorker, EngineWeightTransfer, build_async_grpo_trainer
+    from trainer_hooks.client import RolloutClient
+    from trainer_hooks.snapshot import save_snapshot
     from trainer_hooks.trl import TRLRollout
     from trainer_hooks.weights import HFWeights, bench_weight_push, normalize_name, push_weights
 

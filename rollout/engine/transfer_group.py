@@ -25,19 +25,21 @@ class PushRejected(ValueError):
 
 
 class TransferGroup:
-    """Rank ``rank`` of a weights-only group: rank 0 hosts the store (the trainer), ranks >= 1 join it."""
+    """Rank ``rank`` of a weights-only group: rank 0 (the trainer) hosts the store, ranks >= 1 join it.
 
-    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int,
-                 device: torch.device | str, timeout_s: float = 600.0) -> None:
+    Use ``open_trainer`` (rank 0) and ``join`` (the others); each blocks until every rank is in, so the
+    trainer tells the receivers where to join (``on_listening``, e.g. an HTTP call) from another thread.
+    """
+
+    def __init__(self, store: dist.TCPStore, rank: int, world_size: int, device: torch.device | str,
+                 timeout_s: float, master_address: str) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+        self.store, self.rank, self.world_size, self.device = store, rank, world_size, torch.device(device)
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
-                                   timeout=self.timeout, wait_for_workers=False)
-        self.port = self.store.port  # the real port when 0 asked the OS for a free one
+        self.port = store.port
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
-        prefix = dist.PrefixStore("rollout-weights/", self.store)
+        prefix = dist.PrefixStore("rollout-weights/", store)
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
             opts = dist.ProcessGroupNCCL.Options()
@@ -52,14 +54,29 @@ class TransferGroup:
                    else dist.ProcessGroupGloo.create_default_device())
             opts._devices = [dev]
             self.pg = dist.ProcessGroupGloo(prefix, rank, world_size, opts)
-        self.broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device)).wait()  # connect now, not mid-push
         self.closed = False
+        self.broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device)).wait()  # connect now, not mid-push
 
     @classmethod
     def open_trainer(cls, device: torch.device | str, world_size: int = 2, master_address: str = "127.0.0.1",
-                     master_port: int = 0, timeout_s: float = 600.0) -> TransferGroup:
-        """The sender's end; blocks until every receiver joined (post their join concurrently)."""
-        return cls(master_address, master_port, 0, world_size, device, timeout_s)
+                     master_port: int = 0, timeout_s: float = 600.0,
+                     on_listening: Callable[[int], None] | None = None) -> TransferGroup:
+        """Rank 0: host the store (port 0 = a free one), call ``on_listening(port)``, wait for every rank."""
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=True,
+                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        if on_listening is not None:
+            on_listening(store.port)
+        return cls(store, 0, world_size, device, timeout_s, master_address)
+
+    @classmethod
+    def join(cls, master_address: str, master_port: int, rank: int, world_size: int, device: torch.device | str,
+             timeout_s: float = 600.0) -> TransferGroup:
+        """Rank >= 1: connect to the trainer's store and group."""
+        if not 1 <= rank < world_size:
+            raise ValueError(f"a receiver's rank must be in [1, world_size={world_size}), got {rank}")
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=min(timeout_s, 60.0)))
+        return cls(store, rank, world_size, device, timeout_s, master_address)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> dist.Work:
         opts = dist.BroadcastOptions()

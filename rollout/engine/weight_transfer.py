@@ -216,13 +216,11 @@ class WeightReceiver:
             raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
         if backend == "nccl" and self.device.type != "cuda":
             raise ValueError(f"backend 'nccl' needs a CUDA engine; this one is on {self.device}: use 'gloo'")
-        if not 1 <= rank < world_size:
-            raise ValueError(f"a receiver's rank must be in [1, world_size={world_size}), got {rank}")
         with self._exclusive():
             self.close()
             self._pushes = 0
             device = self.device if backend == "nccl" else torch.device("cpu")
-            self.group = TransferGroup(master_address, master_port, rank, world_size, device, timeout_s)
+            self.group = TransferGroup.join(master_address, master_port, rank, world_size, device, timeout_s)
             return self.group
 
     def receive(self, specs: list[TensorSpec], bucket_bytes: int = BUCKET_BYTES,
@@ -250,7 +248,7 @@ class WeightReceiver:
             for s in specs:
                 self.check(s.name, torch.empty(s.shape, dtype=s.torch_dtype, device="meta"))
         except (TypeError, ValueError, KeyError) as e:
-            return str(e).strip("'\"")
+            return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)  # KeyError's str() quotes
         return None
 
     def _exclusive(self) -> _Exclusive:
