@@ -74,6 +74,21 @@ def _pair(check=lambda name, t: None):
     return trainer, receiver
 
 
+def _receive(receiver, specs, bucket, push_id):
+    """Start a receive in a thread; the returned list gets the views or the exception."""
+    box: list = []
+
+    def run():
+        try:
+            box.append(receiver.receive(specs, bucket, push_id))
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            box.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, box
+
+
 def test_round_trip_over_gloo_in_buckets_with_a_rejection_between():
     torch.manual_seed(1)
     pairs = [("w1", torch.randn(17, 9)), ("w2", torch.randn(300).bfloat16()), ("empty", torch.empty(0)),
@@ -90,26 +105,21 @@ def test_round_trip_over_gloo_in_buckets_with_a_rejection_between():
     try:
         assert not dist.is_initialized()  # the default process group is never touched
         for push_id, bucket in enumerate((ALIGN, 1000, 1 << 20)):
-            got: list = []
-            t = threading.Thread(target=lambda b=bucket, i=push_id: got.append(receiver.receive(specs, b, i)))
-            t.start()
+            t, got = _receive(receiver, specs, bucket, push_id)
             await_verdicts(trainer, push_id)
             send_weights(trainer, specs, iter(pairs), bucket)
             t.join()
             for (n, v), (m, want) in zip(got[0], pairs):
                 assert n == m and v.dtype == want.dtype and torch.equal(v, want)
         bad = _specs([("nope", torch.zeros(2))])
-        errors: list = []
-        t = threading.Thread(target=lambda: errors.append(pytest.raises(PushRejected, receiver.receive, bad, ALIGN, 9)))
-        t.start()
+        t, errors = _receive(receiver, bad, ALIGN, 9)
         with pytest.raises(PushRejected, match="unknown weight name 'nope'"):
             await_verdicts(trainer, 9)
         t.join()
+        assert isinstance(errors[0], PushRejected)
         # The group is still usable after a rejection: a cast push (float32 -> bfloat16 on the wire).
         cast = make_specs(["w1"], ["bfloat16"], [[17, 9]])
-        got = []
-        t = threading.Thread(target=lambda: got.append(receiver.receive(cast, ALIGN, 10)))
-        t.start()
+        t, got = _receive(receiver, cast, ALIGN, 10)
         await_verdicts(trainer, 10)
         send_weights(trainer, cast, [("w1", pairs[0][1])], ALIGN)
         t.join()
@@ -123,13 +133,12 @@ def test_sender_checks_the_announced_order():
     trainer, receiver = _pair()
     try:
         specs = _specs([("a", torch.zeros(4)), ("b", torch.zeros(2))])
-        t = threading.Thread(target=lambda: pytest.raises(Exception, receiver.receive, specs, ALIGN, 0))
-        t.start()
+        t, box = _receive(receiver, specs, ALIGN, 0)
         await_verdicts(trainer, 0)
         with pytest.raises(ValueError, match="tensor 0 is 'b'"):
             send_weights(trainer, specs, [("b", torch.zeros(2)), ("a", torch.zeros(4))], ALIGN)
     finally:
         trainer.close()  # the receiver's wait fails on the closed connection
         t.join(30)
-        assert not t.is_alive()
+        assert not t.is_alive() and isinstance(box[0], RuntimeError)  # TransferError: the sender went away
         receiver.close()
