@@ -7,6 +7,7 @@
     rollout-train-grpo train.trainer=async_grpo               # TRL's AsyncGRPOTrainer, engine in-process
     rollout-train-grpo train.sleep_level=1                    # co-located: the engine frees its KV cache
                                                               # while the trainer trains
+    rollout-train-grpo rollout.mode=server rollout.url=http://127.0.0.1:8000  # against scripts/serve.py
 
 (``python -m scripts.train_grpo ...`` from the repo root does the same.) Configured like the main job
 (conf/train_grpo.yaml reuses its groups and presets). The engine's logprobs feed TRL's importance-sampling
@@ -84,12 +85,36 @@ class TrainConfig:
         setup.check("grpo", isinstance(self.grpo, dict), self.grpo, "a mapping of GRPOConfig fields")
 
 
-def load_config(raw: dict[str, Any]) -> tuple[JobConfig, TrainConfig]:
+@dataclass(frozen=True, slots=True)
+class RolloutMode:
+    mode: str = "engine"  # engine: in this process; server: a running scripts/serve.py at `url`
+    url: str = "http://127.0.0.1:8000"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("engine", "server"):
+            raise ValueError(f"rollout.mode={self.mode!r} is invalid: must be one of ['engine', 'server']")
+        if not isinstance(self.url, str) or not self.url.startswith("http://"):
+            raise ValueError(f"rollout.url={self.url!r} is invalid: must be an http://host:port address")
+
+
+def load_config(raw: dict[str, Any]) -> tuple[JobConfig, TrainConfig, RolloutMode]:
+    """The shared groups through JobConfig (same checks and messages as the main job), plus ``train``
+    and ``rollout`` (where generation runs)."""
+    raw = dict(raw)
+    rollout = dict(raw.pop("rollout", None) or {})
+    unknown = sorted(set(rollout) - {"mode", "url"})
+    if unknown:
+        raise ValueError(f"unknown key(s) {[f'rollout.{k}' for k in unknown]}; allowed: ['mode', 'url']")
+    mode = RolloutMode(**rollout)
     job, train = setup.load_job(raw, TrainConfig)
     if job.sampling.n < 2:
         raise ValueError(f"sampling.n={job.sampling.n} is invalid for GRPO: must be >= 2 (a group needs a baseline)")
     check_passthrough(train, config_class(train.trainer))  # before anything loads
-    return job, train
+    if mode.mode == "server" and train.trainer != "grpo":
+        raise ValueError("rollout.mode=server needs train.trainer=grpo (TRLRollout over a RolloutClient)")
+    if mode.mode == "server" and train.sleep_level:
+        raise ValueError("train.sleep_level must be 0 with rollout.mode=server (the server has its own GPUs)")
+    return job, train, mode
 
 
 def run(cfg: DictConfig) -> Path:
@@ -101,7 +126,7 @@ def run(cfg: DictConfig) -> Path:
     return train_grpo(*load_config(raw))  # type: ignore[arg-type]
 
 
-def train_grpo(job: JobConfig, train: TrainConfig) -> Path:
+def train_grpo(job: JobConfig, train: TrainConfig, mode: RolloutMode | None = None) -> Path:
     from transformers import PrinterCallback
 
     from rollout.job.rewards import load_reward
@@ -113,7 +138,17 @@ def train_grpo(job: JobConfig, train: TrainConfig) -> Path:
     tokenizer = setup.load_tokenizer(job, checkpoint)
     dataset = setup.build_dataset(job.data, tokenizer, train.reward)
     reward = load_reward(train.reward, "train.reward")
-    engine = setup.make_engine(job, checkpoint, tokenizer)
+    if mode is not None and mode.mode == "server":  # the server holds the engine; weights go to it each step
+        import torch
+
+        from trainer_hooks.client import RolloutClient
+
+        engine: Any = RolloutClient(mode.url)
+        if not engine.health():
+            raise ValueError(f"rollout.url={mode.url!r}: no rollout server answers there (start scripts/serve.py)")
+        engine.device = torch.device(job.model.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    else:
+        engine = setup.make_engine(job, checkpoint, tokenizer)
     args = trainer_args(job, train, engine, report_to=setup.wandb_env(job.logger.wandb, out))
     run_config = {"job": job.to_dict(), "train": dataclasses.asdict(train)}
     rollout = None

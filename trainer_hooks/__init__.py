@@ -5,6 +5,8 @@
 
 (``EngineGRPOTrainer`` adds TRL's importance-sampling correction on the engine's logprobs to a plain
 ``GRPOTrainer(..., rollout_func=TRLRollout(engine))``.)
+    # or against a server (scripts/serve.py) in another process:
+    rollout_func = TRLRollout(RolloutClient("http://127.0.0.1:8000"))
 
 Imports are lazy so that ``import trainer_hooks`` does not pull in trl or torch.
 """
@@ -27,6 +29,8 @@ __all__ = [
     "EngineRolloutWorker",
     "EngineWeightTransfer",
     "build_async_grpo_trainer",
+    "RolloutClient",
+    "save_snapshot",
 ]
 
 _WHERE = {
@@ -43,15 +47,19 @@ _WHERE = {
     "EngineRolloutWorker": "trainer_hooks.async_grpo",
     "EngineWeightTransfer": "trainer_hooks.async_grpo",
     "build_async_grpo_trainer": "trainer_hooks.async_trainer",
+    "RolloutClient": "trainer_hooks.client",
+    "save_snapshot": "trainer_hooks.snapshot",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer_hooks.async_grpo import EngineRolloutWorker, EngineWeightTransfer
     from trainer_hooks.async_trainer import EngineAsyncGRPOTrainer, build_async_grpo_trainer
+    from trainer_hooks.client import RolloutClient
     from trainer_hooks.engine_metrics import EngineWindow
     from trainer_hooks.grpo import EngineGRPOTrainer
     from trainer_hooks.ppo import PPOConfig
     from trainer_hooks.ppo_loop import EnginePPO
+    from trainer_hooks.snapshot import save_snapshot
     from trainer_hooks.trl import TRLRollout
     from trainer_hooks.weights import HFWeights, bench_weight_push, normalize_name, push_weights
 

@@ -1,0 +1,212 @@
+"""Weights and control: vLLM's weight-transfer endpoints, disk updates, pause / resume, sleep / wake_up.
+
+Every weight update ends in ``Engine.update_weights`` (validate everything, then copy in place), run in
+the engine loop thread at a step boundary: a rejected or broken push leaves the old weights serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from pydantic import ValidationError
+
+from rollout.engine.transfer_group import PushRejected, TransferError
+from rollout.engine.weight_transfer import make_specs
+from rollout.models.loader import iter_checkpoint, safetensors_files
+from rollout.serve.errors import APIError, describe_validation
+from rollout.serve.protocol import InitWeightTransfer, UpdateWeights, UpdateWeightsFromDisk
+from rollout.serve.state import ServerState, state
+
+log = logging.getLogger("rollout.serve")
+router = APIRouter()
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+async def _body(request: Request, model: type, wrapper: str) -> Any:
+    """Parse a JSON object (vLLM wraps it as ``{wrapper: {...}}``; both shapes are accepted)."""
+    try:
+        raw = await request.json()
+    except ValueError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(raw).__name__}")
+    if set(raw) == {wrapper}:
+        raw = raw[wrapper]
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        status, message, param = describe_validation(list(e.errors()))
+        raise APIError(status, message, param) from None
+
+
+@router.post("/init_weight_transfer")
+@router.post("/init_weight_transfer_engine")
+async def init_weight_transfer(request: Request) -> dict[str, Any]:
+    """Join the trainer's group (the trainer, rank 0, is joining it concurrently)."""
+    st = state(request)
+    info: InitWeightTransfer = await _body(request, InitWeightTransfer, "init_info")
+    if not info.packed:
+        raise APIError(400, "packed=false is not supported: tensors travel packed in flat buckets", param="packed")
+    try:
+        group = await asyncio.to_thread(st.receiver.join, info.master_address, info.master_port, info.world_size,
+                                        info.rank_offset, info.backend, info.timeout_s)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    except Exception as e:  # noqa: BLE001 - the store or the group could not be reached
+        raise APIError(409 if "in progress" in str(e) else 400,
+                       f"cannot join the weight-transfer group at {info.master_address}:{info.master_port}: {e}"
+                       ) from None
+    return {"message": "weight transfer initialized", "backend": group.backend, "rank": group.rank}
+
+
+@router.post("/start_weight_update")
+@router.post("/finish_weight_update")
+async def bracket_weight_update() -> dict[str, str]:
+    """vLLM brackets a multi-call update with these; each of our pushes is already whole (all-or-nothing)."""
+    return {"message": "ok"}
+
+
+@router.post("/update_weights")
+async def update_weights(request: Request) -> dict[str, Any]:
+    """Receive one push (metadata here, tensors by broadcast), then swap it in at a step boundary."""
+    st = state(request)
+    upd: UpdateWeights = await _body(request, UpdateWeights, "update_info")
+    if not upd.packed:
+        raise APIError(400, "packed=false is not supported: tensors travel packed in flat buckets", param="packed")
+    try:
+        specs = make_specs(upd.names, upd.dtype_names, upd.shapes)
+    except (TypeError, ValueError) as e:
+        raise APIError(400, str(e)) from None
+    t0 = time.perf_counter()
+    try:
+        views = await asyncio.to_thread(st.receiver.receive, specs, upd.bucket_bytes, upd.push_id)
+    except PushRejected as e:
+        raise APIError(400, f"weight update rejected, nothing changed: {e}") from None
+    except TransferError as e:
+        log.warning("weight push failed, the old weights still serve: %s", e)
+        raise APIError(409, f"{e}; the old weights still serve; initialise a new group") from None
+    except ValueError as e:
+        raise APIError(409, str(e)) from None
+    except RuntimeError as e:
+        raise APIError(409, str(e)) from None
+    return await _apply(st, views, upd.version, upd.recompute_running, t0)
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(request: Request) -> dict[str, Any]:
+    """Load a Hugging Face safetensors directory (``step_<N>`` becomes version N unless ``version`` is given)."""
+    st = state(request)
+    upd: UpdateWeightsFromDisk = await _body(request, UpdateWeightsFromDisk, "update_info")
+    path = Path(upd.path).expanduser()
+    if not path.is_dir():
+        raise APIError(400, f"path {upd.path!r} is not an existing directory; expected a Hugging Face checkpoint "
+                            "directory (*.safetensors)", param="path")
+    try:
+        safetensors_files(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise APIError(400, str(e), param="path") from None
+    version = upd.version
+    match = _STEP_DIR.fullmatch(path.name)
+    if version is None and match:
+        version = int(match.group(1))
+    return await _apply(st, CheckpointWeights(path), version, upd.recompute_running, time.perf_counter())
+
+
+class CheckpointWeights:
+    """Re-iterable (name, tensor) view of a checkpoint dir: ``update_weights`` walks it twice, lazily."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __iter__(self) -> Any:
+        return iter_checkpoint(self.path)
+
+
+async def _apply(st: ServerState, source: Any, version: int | None, recompute: bool, t0: float) -> dict[str, Any]:
+    try:
+        new = await st.run(lambda: st.engine.update_weights(source, version=version, recompute_running=recompute))
+    except (TypeError, ValueError, KeyError) as e:
+        reason = str(e.args[0] if isinstance(e, KeyError) and e.args else e)  # KeyError's str() adds quotes
+        if "nothing changed" not in reason:
+            reason = f"weight update rejected, nothing changed: {reason}"
+        raise APIError(400, reason) from None
+    seconds = time.perf_counter() - t0
+    st.counters["weight_updates"] += 1
+    st.counters["last_update_s"] = seconds
+    return {"policy_version": new, "seconds": seconds}
+
+
+# ---- control ---------------------------------------------------------------------------------------------
+@router.post("/pause")
+async def pause(request: Request, mode: str = Query("abort")) -> dict[str, Any]:
+    """``keep``: running sequences stay and resume later; ``abort``: they end now with finish_reason abort."""
+    if mode not in ("keep", "abort"):
+        raise APIError(400, f"mode={mode!r} is not supported; allowed: 'keep', 'abort'", param="mode")
+    st = state(request)
+
+    def do() -> int:
+        st.loop.set_paused(True)
+        return st.loop.abort_all() if mode == "abort" else 0
+
+    aborted = await st.run(do)
+    return {"paused": True, "mode": mode, "aborted": aborted}
+
+
+@router.post("/resume")
+async def resume(request: Request) -> dict[str, Any]:
+    st = state(request)
+    await st.run(lambda: st.loop.set_paused(False))
+    return {"paused": False}
+
+
+@router.get("/is_paused")
+async def is_paused(request: Request) -> dict[str, bool]:
+    return {"is_paused": state(request).loop.paused}
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> dict[str, bool]:
+    st = state(request)
+    await st.run(st.engine.block_manager.reset_prefix_cache)
+    return {"success": True}
+
+
+@router.post("/sleep")
+async def sleep(request: Request, level: int = Query(1)) -> dict[str, Any]:
+    st = state(request)
+    try:
+        released = await st.run(lambda: st.engine.sleep(level))
+    except ValueError as e:
+        raise APIError(400, str(e), param="level") from None
+    except RuntimeError as e:
+        raise APIError(409, f"{e} (POST /pause?mode=abort does that)") from None
+    return {"sleeping": True, "level": level, "released_bytes": released}
+
+
+@router.post("/wake_up")
+async def wake_up(request: Request) -> dict[str, bool]:
+    st = state(request)
+    await st.run(st.engine.wake_up)
+    st.loop.wake()
+    return {"sleeping": False}
+
+
+@router.get("/is_sleeping")
+async def is_sleeping(request: Request) -> dict[str, bool]:
+    return {"is_sleeping": bool(state(request).engine.is_sleeping)}
+
+
+@router.get("/get_world_size")
+async def get_world_size() -> dict[str, int]:
+    return {"world_size": 1}
+
+
+@router.get("/policy_version")
+async def policy_version(request: Request) -> dict[str, int]:
+    return {"policy_version": int(state(request).engine.policy_version)}

@@ -1,0 +1,80 @@
+"""The FastAPI app around one engine, and ``serve`` to run it under uvicorn."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from rollout.serve import admin, errors, generate, metrics
+from rollout.serve.config import ServeConfig
+from rollout.serve.engine_loop import EngineLoop
+from rollout.serve.state import ServerState, state
+
+
+def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str | None = None) -> FastAPI:
+    """The app; its lifespan starts the engine loop thread and stops it on shutdown."""
+    loop = EngineLoop(engine)
+    st = ServerState(engine, loop, model_name, config.sampling, config.server.max_n or engine.config.max_num_seqs,
+                     model_path)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loop.start()
+        try:
+            yield
+        finally:
+            loop.stop()
+            st.receiver.close()
+
+    app = FastAPI(title="rollout", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = st
+    app.add_middleware(errors.BodyLimit, max_bytes=config.server.max_body_mib << 20)
+    errors.install(app)
+    app.include_router(generate.router)
+    app.include_router(admin.router)
+
+    @app.get("/health")
+    async def health(request: Request) -> Any:
+        failed = state(request).loop.error
+        if failed is not None:
+            return errors.error_response(503, f"the engine loop failed: {failed!r}")
+        return JSONResponse({})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        s = state(request)
+        card = {"id": s.model_name, "object": "model", "created": int(time.time()), "owned_by": "rollout",
+                "root": s.model_path or s.model_name, "max_model_len": s.engine.max_model_len,
+                "policy_version": s.engine.policy_version}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def prometheus(request: Request) -> PlainTextResponse:
+        s = state(request)
+        stats = await s.run(s.engine.get_stats)
+        return PlainTextResponse(metrics.render(stats, s), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def serve(engine: Any, config: ServeConfig, model_name: str, model_path: str | None = None) -> None:
+    """Bind, print the address (``server.port=0`` picks a free port), then serve until interrupted."""
+    import uvicorn
+
+    app = build_app(engine, config, model_name, model_path)
+    family = socket.AF_INET6 if ":" in config.server.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((config.server.host, config.server.port))
+    sock.listen(2048)  # connections queue from now on, so the address printed is usable at once
+    host, port = sock.getsockname()[:2]
+    print(f"rollout server: serving {model_name} on http://{host}:{port} (engine on {engine.device})", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=config.server.log_level, timeout_keep_alive=30,
+                                           lifespan="on"))
+    server.run(sockets=[sock])

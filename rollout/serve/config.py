@@ -1,0 +1,62 @@
+"""The server's configuration: the main job's model / engine / sampling groups plus ``server``.
+
+Mirrored by conf/serve.yaml and conf/server/default.yaml; built from a plain dict so Hydra stays in
+scripts/. The job's own section parsers are reused, so a key means (and is checked) the same everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from rollout.config import EngineConfig
+from rollout.job.checks import check_int as _int
+from rollout.job.checks import fail as _fail
+from rollout.job.config import ModelConfig, SamplingConfig, _check_keys, _engine, _section
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"  # loopback by default: nothing is exposed unless asked
+    port: int = 8000  # 0 = a free port, printed at start-up
+    served_model_name: str | None = None  # None = the checkpoint directory's name
+    max_n: int | None = None  # largest n a request may ask for; None = engine.max_num_seqs
+    max_body_mib: int = 64  # larger request bodies get 413
+    torch_threads: int | None = 1  # as rollout.torch_threads: 1 is fastest for tiny CPU models
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            _fail("server.host", self.host, "a non-empty string")
+        _int("server.port", self.port, lo=0, hi=65535, allowed="an int in [0, 65535] (0 = any free port)")
+        if self.served_model_name is not None and (not isinstance(self.served_model_name, str)
+                                                   or not self.served_model_name):
+            _fail("server.served_model_name", self.served_model_name, "a non-empty string or null")
+        if self.max_n is not None:
+            _int("server.max_n", self.max_n, lo=1, allowed="an int >= 1 or null")
+        _int("server.max_body_mib", self.max_body_mib, lo=1)
+        if self.torch_threads is not None:
+            _int("server.torch_threads", self.torch_threads, lo=1, allowed="an int >= 1 or null")
+        if self.log_level not in LOG_LEVELS:
+            _fail("server.log_level", self.log_level, f"one of {list(LOG_LEVELS)}")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # defaults for fields a request omits
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> ServeConfig:
+        top = _check_keys("", raw, {f.name for f in fields(cls)})
+        return cls(
+            model=_section(ModelConfig, "model", top.get("model") or {}),
+            engine=_engine(top.get("engine") or {}),
+            sampling=_section(SamplingConfig, "sampling", top.get("sampling") or {}),
+            server=_section(ServerConfig, "server", top.get("server") or {}),
+        )

@@ -1,0 +1,124 @@
+"""``/v1/completions`` and ``/v1/chat/completions``: queue into the engine loop, await or stream the results."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from rollout.serve.engine_loop import Waiter
+from rollout.serve.errors import APIError
+from rollout.serve.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
+from rollout.serve.responses import Render, chat_body, completion_body
+from rollout.serve.state import ServerState, state
+from rollout.serve.streaming import stream_events
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request) -> Any:
+    st = state(request)
+    st.check_model(req.model)
+    params = to_sampling_params(req, st.defaults, st.max_n)
+    ids = st.prompt_ids(req.prompts(), params)
+    render = Render(st.engine.tokenizer, req.return_tokens_as_token_ids)
+    if req.stream:
+        return _stream(st, req, ids, params, render, chat=False)
+    outs = await _generate(st, request, ids, params)
+    return JSONResponse(completion_body(req, outs, st.model_name, render))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
+    st = state(request)
+    st.check_model(req.model)
+    params = to_sampling_params(req, st.defaults, st.max_n, max_tokens=req.max_completion_tokens)
+    ids = st.prompt_ids([_chat_prompt(st, req)], params)
+    render = Render(st.engine.tokenizer, req.return_tokens_as_token_ids)
+    if req.stream:
+        return _stream(st, req, ids, params, render, chat=True)
+    outs = await _generate(st, request, ids, params)
+    return JSONResponse(chat_body(req, outs[0], st.model_name, render))
+
+
+def _chat_prompt(st: ServerState, req: ChatCompletionRequest) -> list[int]:
+    tok = st.engine.tokenizer
+    if tok is None:
+        raise APIError(400, "chat needs a tokenizer with a chat template; this model has none (use /v1/completions "
+                            "with token ids)")
+    if req.chat_template is None and getattr(tok, "chat_template", None) is None:
+        raise APIError(400, "the tokenizer has no chat template; pass chat_template or use /v1/completions")
+    try:
+        encoded = tok.apply_chat_template(
+            [m.as_template_dict() for m in req.messages], tools=req.tools or None, chat_template=req.chat_template,
+            add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+            continue_final_message=req.continue_final_message, tokenize=True, return_dict=True,
+            **(req.chat_template_kwargs or {}))
+    except APIError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a template error is the request's fault (bad roles, kwargs...)
+        raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from None
+    return list(encoded["input_ids"])
+
+
+def _submit(st: ServerState, ids: list[list[int]], params: Any, stream: asyncio.Queue | None
+            ) -> tuple[list[str], list[asyncio.Future]]:
+    aloop = asyncio.get_running_loop()
+    rids, futs = [], []
+    try:
+        for i, prompt in enumerate(ids):
+            rid, fut = uuid.uuid4().hex, aloop.create_future()
+            st.loop.submit(prompt, params, rid, Waiter(aloop, fut, stream, tag=i))
+            rids.append(rid)
+            futs.append(fut)
+    except (TypeError, ValueError) as e:
+        _abort(st, rids)
+        raise APIError(400, str(e)) from None
+    except RuntimeError as e:
+        _abort(st, rids)
+        raise APIError(503, str(e)) from None
+    return rids, futs
+
+
+def _abort(st: ServerState, rids: list[str]) -> None:
+    for rid in rids:
+        st.loop.abort(rid)
+
+
+async def _generate(st: ServerState, request: Request, ids: list[list[int]], params: Any) -> list[Any]:
+    rids, futs = _submit(st, ids, params, None)
+    results = asyncio.ensure_future(asyncio.gather(*futs))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait([results, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not results.done():  # the client went away: free the engine's slots
+        results.cancel()
+        _abort(st, rids)
+        raise APIError(499, "client disconnected")
+    try:
+        return results.result()
+    except (TypeError, ValueError) as e:  # the engine refused it after all (its checks ran here first)
+        raise APIError(400, str(e)) from None
+    except RuntimeError as e:
+        raise APIError(503, f"generation failed: {e}") from None
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _stream(st: ServerState, req: Any, ids: list[list[int]], params: Any, render: Render, chat: bool
+            ) -> StreamingResponse:
+    queue: asyncio.Queue = asyncio.Queue()
+    rids, _ = _submit(st, ids, params, queue)
+    events = stream_events(req, queue, len(ids), params.n, st.model_name, render, chat, lambda: _abort(st, rids))
+    return StreamingResponse(events, media_type="text/event-stream")

@@ -1,0 +1,58 @@
+"""What every route needs: the engine, its loop thread, the weight receiver and the server's settings."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from rollout.engine.validation import check_lengths, to_token_ids
+from rollout.engine.weight_transfer import WeightReceiver
+from rollout.job.config import SamplingConfig
+from rollout.serve.engine_loop import EngineLoop
+from rollout.serve.errors import APIError
+
+
+@dataclass
+class ServerState:
+    engine: Any
+    loop: EngineLoop
+    model_name: str
+    defaults: SamplingConfig
+    max_n: int
+    model_path: str | None = None
+    receiver: WeightReceiver = field(init=False)
+    counters: dict[str, float] = field(default_factory=lambda: {"weight_updates": 0, "last_update_s": 0.0})
+
+    def __post_init__(self) -> None:
+        self.receiver = WeightReceiver(self.engine.device, self.engine.weights.mapper.validate)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model {model!r} is not served here; this server serves {self.model_name!r} "
+                                "(see GET /v1/models)", param="model", code="model_not_found")
+
+    def prompt_ids(self, prompts: list[Any], params: Any) -> list[list[int]]:
+        """Token ids for every prompt, all checked before any is queued (400 naming the prompt)."""
+        e = self.engine
+        out = []
+        for i, p in enumerate(prompts):
+            try:
+                ids = to_token_ids(p, e.tokenizer, e.model.vocab_size)
+                check_lengths(len(ids), params, e.max_model_len, e.kv.num_tokens)
+            except (TypeError, ValueError) as err:
+                where = f"prompt {i}: " if len(prompts) > 1 else ""
+                code = "context_length_exceeded" if "max_model_len" in str(err) else None
+                raise APIError(400, f"{where}{err}", param="prompt", code=code) from None
+            out.append(ids)
+        return out
+
+    async def run(self, fn: Any) -> Any:
+        """Run ``fn`` in the engine loop thread at a step boundary and await its result."""
+        return await asyncio.wrap_future(self.loop.call(fn))
+
+
+def state(request: Request) -> ServerState:
+    return request.app.state.server

@@ -1,0 +1,99 @@
+"""Shared by the server tests: scripts/serve.py in a subprocess on a free loopback port, and the same engine
+in-process (built by the same code from the same config) for parity checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "serve.py"
+
+
+def load_serve_script():
+    spec = importlib.util.spec_from_file_location("serve_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def in_process_engine(*overrides: str):
+    """(engine, checkpoint dir) exactly as the server builds them for the same overrides."""
+    script = load_serve_script()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("serve", overrides=list(overrides))
+    return script.build_engine(script.load_config(cfg))
+
+
+class Server:
+    """``python scripts/serve.py server.port=0 ...``; ``url`` once it printed its address."""
+
+    def __init__(self, *overrides: str) -> None:
+        """Starts the process; ``wait_ready`` blocks until it serves (build other things meanwhile)."""
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(SCRIPT), "server.port=0", *overrides], cwd=ROOT, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        self.lines: list[str] = []
+        self.url: str | None = None
+
+    def wait_ready(self, timeout_s: float = 240.0) -> Server:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.lines.append(line)
+            if "rollout server: serving" in line:
+                self.url = line.split(" on ")[1].split()[0]
+                break
+        if self.url is None:
+            self.stop()
+            raise RuntimeError("the server did not start:\n" + "".join(self.lines))
+        self._drain()
+        return self
+
+    def _drain(self) -> None:
+        import threading
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                self.lines.append(line)
+
+        threading.Thread(target=read, daemon=True).start()
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=30) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def post(self, path: str, data: bytes | str, content_type: str = "application/json") -> tuple[int, str]:
+        body = data.encode() if isinstance(data, str) else data
+        req = urllib.request.Request(self.url + path, data=body, headers={"Content-Type": content_type})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)

@@ -1,0 +1,282 @@
+"""The trainer's side of a rollout server (``scripts/serve.py``): generate, push weights, pause; no vLLM needed.
+
+    client = RolloutClient("http://127.0.0.1:8000")
+    outs = client.generate(prompts, SamplingParams(n=8, max_tokens=256))  # list[RequestOutput], as Engine.generate
+    client.push_weights(model)   # normalised names, then a bucketed broadcast (the group is made on first use)
+    client.pause("keep"); client.push_weights(model); client.resume()
+
+``RolloutClient`` quacks like an ``Engine`` where the trainer hooks need it (``generate``,
+``update_weights``, ``policy_version``), so ``TRLRollout(client)`` and ``push_weights(client, model)`` work
+unchanged. HTTP is the standard library's (one keep-alive connection per thread). Weights travel over a
+``TransferGroup`` the client hosts as rank 0: NCCL when the tensors are on CUDA, gloo otherwise.
+"""
+
+from __future__ import annotations
+
+import atexit
+import http.client
+import json
+import socket
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+
+from rollout.engine.transfer_group import PushRejected, TransferError, TransferGroup, await_verdicts, cuda_device
+from rollout.engine.validation import normalize_params
+from rollout.engine.weight_transfer import BUCKET_BYTES, TensorSpec, dtype_name, send_weights
+from rollout.outputs import CompletionOutput, RequestOutput
+from rollout.sampling_params import SamplingParams
+from trainer_hooks.weights import HFWeights, normalize_name
+from trainer_hooks.weights import push_weights as _push_weights
+
+
+class ServerError(RuntimeError):
+    """The server answered with an error (``status``, OpenAI-shaped ``message``)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status, self.message = status, message
+
+
+class RequestRejected(ServerError, ValueError):
+    """A 4xx for a bad value (400/404/413/422): the request's fault, like the engine's ValueError."""
+
+
+class RolloutClient:
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", timeout_s: float = 600.0,
+                 max_concurrency: int = 64) -> None:
+        url = urlparse(base_url if "://" in base_url else f"http://{base_url}")
+        if url.scheme != "http" or not url.hostname:
+            raise ValueError(f"base_url must look like http://host:port, got {base_url!r}")
+        self.base_url = f"http://{url.hostname}:{url.port or 80}"
+        self.host, self.port, self.timeout_s = url.hostname, url.port or 80, timeout_s
+        self.max_concurrency = max_concurrency
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="rollout-client")
+        self.group: TransferGroup | None = None
+        self._push_id = 0
+        self._model: str | None = None
+        atexit.register(self.close)
+
+    # ---- HTTP ------------------------------------------------------------------------------------------
+    def _conn(self) -> http.client.HTTPConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        return conn
+
+    def request(self, method: str, path: str, body: Any = None) -> Any:
+        """One call; the parsed JSON answer, or ServerError / RequestRejected with the server's message."""
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        for attempt in (0, 1):
+            conn = self._conn()
+            try:
+                conn.request(method, path, body=data, headers=headers)
+                resp = conn.getresponse()
+                raw = resp.read()
+                break
+            except (ConnectionError, http.client.RemoteDisconnected, http.client.CannotSendRequest):
+                conn.close()
+                self._local.conn = None
+                if attempt:
+                    raise
+        text = raw.decode(errors="replace")
+        try:
+            payload = json.loads(text) if text else {}
+        except ValueError:
+            payload = text
+        if resp.status >= 400:
+            message = payload.get("error", {}).get("message", text) if isinstance(payload, dict) else text
+            cls = RequestRejected if resp.status in (400, 404, 413, 422) else ServerError
+            raise cls(resp.status, message)
+        return payload
+
+    def health(self) -> bool:
+        try:
+            self.request("GET", "/health")
+            return True
+        except (OSError, ServerError):
+            return False
+
+    @property
+    def model(self) -> str:
+        if self._model is None:
+            self._model = self.request("GET", "/v1/models")["data"][0]["id"]
+        return self._model
+
+    @property
+    def policy_version(self) -> int:
+        return int(self.request("GET", "/policy_version")["policy_version"])
+
+    # ---- generation --------------------------------------------------------------------------------------
+    def generate(self, prompts: Any, sampling_params: Any = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """``Engine.generate`` over HTTP: one completions request per prompt, sent concurrently."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a list of str or of token-id lists, got {type(prompts).__name__}")
+        if not prompts:
+            return []
+        params = normalize_params(sampling_params, len(prompts))
+        return list(self._pool.map(lambda pp: self._complete(*pp), zip(prompts, params)))
+
+    def _complete(self, prompt: Any, p: SamplingParams) -> RequestOutput:
+        body = {"model": self.model, "prompt": prompt if isinstance(prompt, str) else list(prompt), "n": p.n,
+                "max_tokens": p.max_tokens, "min_tokens": p.min_tokens, "temperature": p.temperature,
+                "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p, "seed": p.seed, "stop": p.stop,
+                "stop_token_ids": p.stop_token_ids, "ignore_eos": p.ignore_eos, "logprobs": 0,
+                "logprobs_mode": p.logprobs_mode, "return_token_ids": True}
+        resp = self.request("POST", "/v1/completions", body)
+        outs = [CompletionOutput(c["index"] % p.n, c["token_ids"], c["logprobs"]["token_logprobs"],
+                                 c["finish_reason"], c["text"], c["policy_versions"], c.get("stop_reason"))
+                for c in resp["choices"]]
+        return RequestOutput(resp["id"], resp["choices"][0]["prompt_token_ids"], outs,
+                             prompt if isinstance(prompt, str) else None, True)
+
+    # ---- weights ---------------------------------------------------------------------------------------
+    def init_weight_transfer(self, device: torch.device | str = "cpu", master_address: str | None = None,
+                             master_port: int = 0, timeout_s: float | None = None) -> TransferGroup:
+        """Host a 2-rank group (trainer = rank 0) and have the server join it: NCCL on CUDA, gloo on CPU."""
+        self.close_weight_transfer()
+        device = cuda_device(device)  # the caller's current CUDA device, not the worker thread's
+        address = master_address or self._local_address()
+        timeout = timeout_s or self.timeout_s
+        joined: list[Future] = []
+
+        def tell_server(port: int) -> None:
+            info = {"master_address": address, "master_port": port, "world_size": 2, "rank_offset": 1,
+                    "backend": "nccl" if device.type == "cuda" else "gloo", "timeout_s": timeout}
+            joined.append(self._pool.submit(self.request, "POST", "/init_weight_transfer", info))
+
+        opening = self._pool.submit(TransferGroup.open_trainer, device, 2, address, master_port, timeout,
+                                    tell_server)
+        while not opening.done():
+            if joined and joined[0].done() and joined[0].exception() is not None:
+                raise joined[0].exception()  # type: ignore[misc]  # the server refused: do not wait for it
+            threading.Event().wait(0.005)
+        self.group = opening.result()
+        joined[0].result()
+        self._push_id = 0
+        return self.group
+
+    def _local_address(self) -> str:
+        """The address the server can reach us at: loopback for a local server, else our outgoing interface."""
+        if self.host in ("127.0.0.1", "localhost", "::1"):
+            return "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((self.host, self.port))
+            return s.getsockname()[0]
+
+    def push_weights(self, weights: Any, version: int | None = None, recompute_running: bool = True) -> int:
+        """A trainer model (or ``(name, tensor)`` pairs / a mapping) into the server; returns its new version.
+
+        Names are normalised as for an in-process engine (DDP, torch.compile, FSDP, PEFT); see ``update_weights``.
+        """
+        return _push_weights(self, weights, version=version, recompute_running=recompute_running)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Any, version: int | None = None,
+                       recompute_running: bool = True, bucket_bytes: int = BUCKET_BYTES,
+                       dtype: torch.dtype | None = None) -> int:
+        """``Engine.update_weights`` across processes: announce, wait for the verdict, broadcast, await the swap.
+
+        A refused push raises RequestRejected (ValueError) and changes nothing; a failure while sending
+        closes the group (the server keeps its old weights) and the next push makes a new one.
+        """
+        if isinstance(named_tensors, Mapping):
+            named_tensors = list(named_tensors.items())
+        elif isinstance(named_tensors, Iterator):
+            named_tensors = list(named_tensors)  # references: walked twice (metadata, then data)
+        specs = self._specs(named_tensors, dtype)
+        for attempt in (0, 1):
+            if self.group is None:
+                self.init_weight_transfer(_device_of(named_tensors))
+            try:
+                return self._push(specs, named_tensors, version, recompute_running, bucket_bytes)
+            except ServerError as e:
+                if e.status != 409 or attempt:
+                    raise
+                self.close_weight_transfer()  # the server lost our group (another trainer, a failure): anew
+        raise AssertionError("unreachable")
+
+    def _push(self, specs: list[TensorSpec], named_tensors: Any, version: int | None, recompute_running: bool,
+              bucket_bytes: int) -> int:
+        group = self.group
+        assert group is not None
+        push_id, self._push_id = self._push_id, self._push_id + 1
+        body = {"names": [s.name for s in specs], "dtype_names": [s.dtype for s in specs],
+                "shapes": [list(s.shape) for s in specs], "packed": True, "bucket_bytes": bucket_bytes,
+                "push_id": push_id, "version": version, "recompute_running": recompute_running}
+        answer = self._pool.submit(self.request, "POST", "/update_weights", body)
+        try:
+            await_verdicts(group, push_id, alive=lambda: not answer.done())
+        except (PushRejected, TransferError):
+            answer.result()  # raises the server's answer (400 with the reason, or why no verdict came)
+            raise
+        try:
+            send_weights(group, specs, named_tensors, bucket_bytes)  # cast to each spec's dtype on the way
+        except BaseException:
+            self.close_weight_transfer()  # the server's receive fails fast on the closed connection
+            raise
+        return int(answer.result()["policy_version"])
+
+    def _specs(self, source: Any, dtype: torch.dtype | None) -> list[TensorSpec]:
+        """Metadata without touching data: an ``HFWeights`` is read from its parameters (no FSDP gathers)."""
+        if isinstance(source, HFWeights):
+            pairs, seen = [], set()
+            for name, p in source.model.named_parameters():
+                hf = normalize_name(name)
+                if hf is not None and hf not in seen:
+                    seen.add(hf)
+                    pairs.append((hf, p))
+        else:
+            pairs = list(source)
+        specs = []
+        for i, item in enumerate(pairs):
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+                raise TypeError(f"update_weights expects (name, tensor) pairs; item {i} is {item!r:.80}")
+            name, t = item
+            specs.append(TensorSpec(name, dtype_name(dtype or t.dtype), tuple(t.shape)))
+        return specs
+
+    def update_weights_from_disk(self, path: str, version: int | None = None, recompute_running: bool = True) -> int:
+        body = {"path": str(path), "version": version, "recompute_running": recompute_running}
+        return int(self.request("POST", "/update_weights_from_disk", body)["policy_version"])
+
+    # ---- control ---------------------------------------------------------------------------------------
+    def pause(self, mode: str = "keep") -> dict[str, Any]:
+        return self.request("POST", f"/pause?mode={mode}")
+
+    def resume(self) -> dict[str, Any]:
+        return self.request("POST", "/resume")
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        return self.request("POST", f"/sleep?level={level}")
+
+    def wake_up(self) -> dict[str, Any]:
+        return self.request("POST", "/wake_up")
+
+    def reset_prefix_cache(self) -> dict[str, Any]:
+        return self.request("POST", "/reset_prefix_cache")
+
+    def close_weight_transfer(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    def close(self) -> None:
+        self.close_weight_transfer()
+        self._pool.shutdown(wait=False)
+
+
+def _device_of(named_tensors: Any) -> torch.device:
+    """Where the trainer's tensors live: CUDA tensors go over NCCL, anything else over gloo."""
+    if isinstance(named_tensors, HFWeights):
+        first = next(iter(named_tensors.model.parameters()), None)
+    else:
+        first = next((item[1] for item in named_tensors if isinstance(item, tuple) and len(item) == 2), None)
+    return first.device if isinstance(first, torch.Tensor) and first.device.type == "cuda" else torch.device("cpu")
