@@ -12,6 +12,7 @@ it stale, and the next push builds a new one.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -60,16 +61,20 @@ class PoolTransfer:
         joins: list[Any] = []
 
         def tell_replicas(port: int) -> None:
-            joins.extend(pool.members[i].actor.join_weight_group.remote(address, port, world, rank, backend,
-                                                                       self.timeout_s)
-                         for rank, (i, _) in enumerate(members, start=1))
+            refs = [pool.members[i].actor.join_weight_group.remote(address, port, world, rank, backend,
+                                                                  self.timeout_s)
+                    for rank, (i, _) in enumerate(members, start=1)]
+            joins.extend(refs)  # one atomic extend: the waiting thread sees none or all
 
         opening: Future = Future()
         threading.Thread(target=_run_into, args=(opening, TransferGroup.open_trainer, device, world, address, 0,
                                                  self.timeout_s, tell_replicas), daemon=True).start()
         while not opening.done():
-            failed = [r for r in ray.wait(joins, num_returns=len(joins), timeout=0.01)[0]] if joins else []
-            for ref in failed:
+            snapshot = list(joins)
+            answered = ray.wait(snapshot, num_returns=len(snapshot), timeout=0.01)[0] if snapshot else []
+            if not snapshot:
+                time.sleep(0.01)
+            for ref in answered:
                 ray.get(ref)  # a replica that could not join raises here (its error, or its death)
         self.group = opening.result()
         ray.get(joins)
