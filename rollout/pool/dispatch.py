@@ -4,7 +4,8 @@ A group (one request with ``n`` samples) is never split. It goes to the live rep
 free sequence slots, and only while that replica has room (or nothing in flight at all, so a group
 larger than any replica's capacity still runs somewhere); otherwise it waits in the queue until a
 group finishes. Replicas therefore pull work as they free up: a replica stuck on long samples keeps
-its batch full while the others drain the queue.
+its batch full while the others drain the queue. The pool hands groups out longest-first (by
+``max_tokens``), so the longest samples start early instead of becoming one replica's lonely tail.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ class Slot:
 
 
 class Dispatcher:
-    def __init__(self, sizes: list[int], slots: dict[int, Slot]) -> None:
+    def __init__(self, sizes: list[int], slots: dict[int, Slot], order: list[int] | None = None) -> None:
         self.sizes = sizes  # samples per group, by group index
         self.slots = slots
-        self.queue: deque[int] = deque(range(len(sizes)))
+        self.queue: deque[int] = deque(range(len(sizes)) if order is None else order)
         self.done: set[int] = set()
 
     def next_assignment(self) -> tuple[int, int] | None:
@@ -60,7 +61,7 @@ class Dispatcher:
         return True
 
     def fail(self, replica: int) -> list[int]:
-        """A replica died: its unfinished groups go back to the front of the queue (in order)."""
+        """A replica died: its unfinished groups go back to the front of the queue."""
         s = self.slots[replica]
         lost = sorted(g for g in s.groups if g not in self.done)
         s.groups.clear()

@@ -108,7 +108,9 @@ class RolloutPool:
                     continue
                 m.pending = None
                 if m.state == "starting":
-                    m.capacity = self.max_inflight_seqs or answer["max_num_seqs"]
+                    # Default: a running batch plus one batch waiting inside the engine, so a slot freed
+                    # by a finished sample is refilled at once, not after the driver's round trip.
+                    m.capacity = self.max_inflight_seqs or 2 * answer["max_num_seqs"]
                     self._catch_up(i, m, answer["policy_version"])
                 elif m.state == "catching_up":
                     self._catch_up(i, m, answer)
@@ -175,7 +177,8 @@ class RolloutPool:
         ray = self.ray
         t0 = time.perf_counter()
         slots = {i: Slot(m.capacity, active=m.state == "active") for i, m in enumerate(self.members)}
-        disp = Dispatcher([p.n for p in params], slots)
+        longest_first = sorted(range(len(params)), key=lambda g: -params[g].max_tokens)  # stable: ties in order
+        disp = Dispatcher([p.n for p in params], slots, longest_first)
         inflight: dict[Any, tuple[int, int, int]] = {}  # ref -> (group, replica, actor generation)
         failed0 = len(self.failures)
         per_replica = {i: 0 for i in slots}
