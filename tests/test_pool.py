@@ -142,3 +142,42 @@ def test_killed_replica_loses_no_group(pool, reference) -> None:
     again = pool.generate(prompts[:6], params[:6])  # and the regenerated tokens equal the first run's
     assert _tokens(again) == _tokens([got[i] for i in range(6)])
     assert pool.update_weights(make_tiny_hf_model("llama", seed=8).named_parameters()) == 8  # a new group
+
+
+def test_trl_rollout_over_the_pool(pool) -> None:
+    from types import SimpleNamespace
+
+    from tests.engine_helpers import hf_logprobs
+    from trainer_hooks.trl import TRLRollout
+
+    model = make_tiny_hf_model("llama", seed=9)
+    tok = lambda text: {"input_ids": [[ord(ch) % 256 for ch in t] for t in text]}  # noqa: E731 - ids only
+    args = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=None, max_completion_length=5,
+                           generation_kwargs=None, repetition_penalty=1.0)
+    trainer = SimpleNamespace(model=model, processing_class=tok, state=SimpleNamespace(global_step=9),
+                              accelerator=SimpleNamespace(unwrap_model=lambda m: m), args=args, eos_token_ids=[],
+                              chat_template_kwargs={}, tools=None, chat_template=None)
+    prompts = ["1 + 1 =", "1 + 1 =", "7 * 8 =", "7 * 8 =", "7 * 8 =", "2 + 2 ="]
+    rows = TRLRollout(pool)(prompts, trainer)  # pushes the trainer's weights (version 9) to every replica
+    assert rows["policy_version"] == [9] * 6 and pool.policy_version == 9
+    for p, c, lps in zip(rows["prompt_ids"], rows["completion_ids"], rows["logprobs"]):
+        ref = hf_logprobs(model, p, c, 1.0)[torch.arange(len(c)), torch.tensor(c)]
+        assert torch.allclose(torch.tensor(lps), ref, atol=1e-4)
+
+
+def test_engine_view_lets_the_job_actor_step_a_pool(pool) -> None:
+    from rollout.pool.engine_view import PoolEngine
+
+    view = PoolEngine(pool)
+    prompts = random_prompts(5, 256, hi=12, seed=11)
+    params = _params(5)
+    ids = [view.add_request(p, sp, f"job-{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+    before = view.get_stats()
+    got = {}
+    while view.has_unfinished_requests():
+        for out in view.step():
+            got[out.request_id] = out
+    assert sorted(got) == sorted(ids)
+    assert _tokens([got[i] for i in ids]) == _tokens(pool.generate(prompts, params))
+    after = view.get_stats()
+    assert after.num_generated_tokens > before.num_generated_tokens and after.policy_version == pool.policy_version

@@ -17,7 +17,7 @@ class EngineFactory:
     model: str
     dtype: str = "auto"
     device: str | None = None
-    tokenizer: str | None = None
+    tokenizer: Any = None  # a path, a (picklable) tokenizer object, or None = the checkpoint's own
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
