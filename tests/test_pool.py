@@ -177,7 +177,9 @@ def test_engine_view_lets_the_job_actor_step_a_pool(pool) -> None:
     while view.has_unfinished_requests():
         for out in view.step():
             got[out.request_id] = out
-    assert sorted(got) == sorted(ids)
+    assert sorted(got) == sorted(ids) and not view.has_unfinished_requests()
+    assert view.add_request(prompts[0], params[0], "next-round") == "next-round"  # as the job's next round does
+    assert [o.request_id for o in view.step()] == ["next-round"] and not view.has_unfinished_requests()
     assert _tokens([got[i] for i in ids]) == _tokens(pool.generate(prompts, params))
     after = view.get_stats()
     assert after.num_generated_tokens > before.num_generated_tokens and after.policy_version == pool.policy_version

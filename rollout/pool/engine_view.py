@@ -26,6 +26,7 @@ class PoolEngine:
         self._queued: dict[str, tuple[Any, SamplingParams | None]] = {}
         self._ids: list[str] = []
         self._iter: Iterator[tuple[int, RequestOutput]] | None = None
+        self._left = 0
 
     @property
     def policy_version(self) -> int:
@@ -55,6 +56,7 @@ class PoolEngine:
             if not self._queued:
                 return []
             self._ids = list(self._queued)
+            self._left = len(self._ids)
             prompts = [p for p, _ in self._queued.values()]
             params = [sp or SamplingParams() for _, sp in self._queued.values()]
             self._queued = {}
@@ -68,6 +70,11 @@ class PoolEngine:
             self._iter = None
             raise
         out.request_id = self._ids[i]
+        self._left -= 1
+        if self._left == 0:  # the round's last group: let the pool close the round (its metrics) now
+            for _ in self._iter:
+                pass
+            self._iter = None
         return [out]
 
     def generate(self, prompts: Any, sampling_params: Any = None, use_tqdm: bool = False) -> list[RequestOutput]:
