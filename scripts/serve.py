@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 # scripts/rollout.py is named like the package: drop this directory from the path so `import rollout`
 # finds the package.
@@ -30,12 +31,25 @@ from rollout.serve.config import ServeConfig  # noqa: E402
 USER_ERRORS = (ValueError, FileNotFoundError)
 
 
-def _job_script() -> ModuleType:
-    """scripts/rollout.py, for the one way the project turns a config into an engine."""
-    spec = importlib.util.spec_from_file_location("rollout_job_script", _HERE / "rollout.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+def _job_setup() -> Any:
+    """The main job's loaders (model dir, tokenizer, engine): the one way a config becomes an engine."""
+    try:
+        import rollout.job.setup as setup  # issue 8 moved them here from scripts/rollout.py
+
+        return setup
+    except ImportError:  # pragma: no cover - before that: scripts/rollout.py's own helpers
+        spec = importlib.util.spec_from_file_location("rollout_job_script", _HERE / "rollout.py")
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        return _Legacy(module)
+
+
+class _Legacy:
+    """scripts/rollout.py's private helpers under rollout.job.setup's names."""
+
+    def __init__(self, script: ModuleType) -> None:
+        self.model_dir, self.load_tokenizer, self.load_engine = (script._model_dir, script._load_tokenizer,
+                                                                 script._load_engine)
 
 
 def load_config(cfg: DictConfig) -> ServeConfig:
@@ -48,10 +62,10 @@ def load_config(cfg: DictConfig) -> ServeConfig:
 
 def build_engine(config: ServeConfig) -> tuple[object, Path]:
     """(engine, checkpoint dir) the way the main job builds them (same groups, same checks)."""
-    job = _job_script()
-    model_dir = job._model_dir(config)
-    tokenizer = job._load_tokenizer(config.model.tokenizer or model_dir, explicit=config.model.tokenizer is not None)
-    return job._load_engine(config, model_dir, tokenizer), model_dir
+    setup = _job_setup()
+    model_dir = setup.model_dir(config)
+    tokenizer = setup.load_tokenizer(config.model.tokenizer or model_dir, explicit=config.model.tokenizer is not None)
+    return setup.load_engine(config, model_dir, tokenizer), model_dir
 
 
 def run(cfg: DictConfig) -> None:

@@ -3,6 +3,7 @@
     python scripts/train_grpo.py                              # embedded tiny Llama, CPU, a few minutes
     python scripts/train_grpo.py train.steps=100 train.reward=exact_match model.path=/ckpt
     python scripts/train_grpo.py train.trainer=async_grpo     # TRL's AsyncGRPOTrainer, engine in-process
+    python scripts/train_grpo.py rollout.mode=server rollout.url=http://127.0.0.1:8000  # against scripts/serve.py
 
 Configured like the main job (conf/train_grpo.yaml reuses its groups). Prints the reward of every step,
 writes output_dir/metrics.jsonl (one line per logged step) and logs to W&B (offline by default).
@@ -80,9 +81,26 @@ def _check(key: str, ok: bool, value: object, allowed: str) -> None:
         raise ValueError(f"train.{key}={value!r} is invalid: must be {allowed}")
 
 
-def load_config(raw: dict[str, Any]) -> tuple[JobConfig, TrainConfig]:
-    """The shared groups through JobConfig (same checks and messages as the main job), plus ``train``."""
+@dataclass(frozen=True, slots=True)
+class RolloutMode:
+    mode: str = "engine"  # engine: in this process; server: a running scripts/serve.py at `url`
+    url: str = "http://127.0.0.1:8000"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("engine", "server"):
+            raise ValueError(f"rollout.mode={self.mode!r} is invalid: must be one of ['engine', 'server']")
+        if not isinstance(self.url, str) or not self.url.startswith("http://"):
+            raise ValueError(f"rollout.url={self.url!r} is invalid: must be an http://host:port address")
+
+
+def load_config(raw: dict[str, Any]) -> tuple[JobConfig, TrainConfig, RolloutMode]:
+    """The shared groups through JobConfig (same checks and messages as the main job), plus ``train``
+    and ``rollout`` (where generation runs)."""
     raw = dict(raw)
+    rollout = dict(raw.pop("rollout", None) or {})
+    unknown = sorted(set(rollout) - {"mode", "url"})
+    if unknown:
+        raise ValueError(f"unknown key(s) {[f'rollout.{k}' for k in unknown]}; allowed: ['mode', 'url']")
     train = dict(raw.pop("train", None) or {})
     unknown = sorted(set(train) - {f.name for f in dataclasses.fields(TrainConfig)})
     if unknown:
@@ -94,7 +112,10 @@ def load_config(raw: dict[str, Any]) -> tuple[JobConfig, TrainConfig]:
                          "must be 'policy' (the logprob the trainer recomputes)")
     if job.sampling.n < 2:
         raise ValueError(f"sampling.n={job.sampling.n} is invalid for GRPO: must be >= 2 (a group needs a baseline)")
-    return job, TrainConfig(**train)
+    mode = RolloutMode(**rollout)
+    if mode.mode == "server" and train.get("trainer", "grpo") != "grpo":
+        raise ValueError("rollout.mode=server needs train.trainer=grpo (TRLRollout over a RolloutClient)")
+    return job, TrainConfig(**train), mode
 
 
 def run(cfg: DictConfig) -> Path:
@@ -106,7 +127,7 @@ def run(cfg: DictConfig) -> Path:
     return train_grpo(*load_config(raw))  # type: ignore[arg-type]
 
 
-def train_grpo(job: JobConfig, train: TrainConfig) -> Path:
+def train_grpo(job: JobConfig, train: TrainConfig, mode: RolloutMode | None = None) -> Path:
     import torch
     from transformers import AutoTokenizer
 
@@ -122,8 +143,16 @@ def train_grpo(job: JobConfig, train: TrainConfig) -> Path:
                  else materialize_default_model(job.model.cache_dir, seed=job.model.seed))
     tokenizer = AutoTokenizer.from_pretrained(str(job.model.tokenizer or model_dir))
     dataset = build_dataset(job.data, tokenizer, need_answer=train.reward == "exact_match")
-    engine = Engine.from_pretrained(str(model_dir), dtype=job.model.dtype, device=job.model.device,
-                                    tokenizer=tokenizer, **dataclasses.asdict(job.engine))
+    if mode is not None and mode.mode == "server":  # the server holds the engine; weights go to it each step
+        from trainer_hooks.client import RolloutClient
+
+        engine: Any = RolloutClient(mode.url)
+        if not engine.health():
+            raise ValueError(f"rollout.url={mode.url!r}: no rollout server answers there (start scripts/serve.py)")
+        engine.device = torch.device(job.model.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    else:
+        engine = Engine.from_pretrained(str(model_dir), dtype=job.model.dtype, device=job.model.device,
+                                        tokenizer=tokenizer, **dataclasses.asdict(job.engine))
     reward = trl_reward(TRAIN_REWARDS[train.reward], train.reward)
     args = trainer_args(job, train, engine, report_to=wandb_env(job.logger.wandb, out))
     if train.trainer == "grpo":
@@ -141,8 +170,9 @@ def train_grpo(job: JobConfig, train: TrainConfig) -> Path:
         trainer = build_async_grpo_trainer(str(model_dir), engine, [reward], args, dataset, tokenizer)
     printer = StepPrinter(out / "metrics.jsonl", train.reward)
     trainer.add_callback(printer)
+    where = f"server {mode.url}" if mode is not None and mode.mode == "server" else f"engine on {engine.device}"
     print(f"GRPO ({train.trainer}) on {model_dir.name}: {train.steps} steps x {job.data.num_prompts} prompts x "
-          f"{job.sampling.n} samples, reward {train.reward}, engine on {engine.device}", flush=True)
+          f"{job.sampling.n} samples, reward {train.reward}, {where}", flush=True)
     trainer.train()
     print(printer.summary(), flush=True)
     return out

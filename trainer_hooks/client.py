@@ -192,9 +192,21 @@ class RolloutClient:
         elif isinstance(named_tensors, Iterator):
             named_tensors = list(named_tensors)  # references: walked twice (metadata, then data)
         specs = self._specs(named_tensors, dtype)
-        if self.group is None:
-            self.init_weight_transfer(_device_of(named_tensors))
+        for attempt in (0, 1):
+            if self.group is None:
+                self.init_weight_transfer(_device_of(named_tensors))
+            try:
+                return self._push(specs, named_tensors, version, recompute_running, bucket_bytes)
+            except ServerError as e:
+                if e.status != 409 or attempt:
+                    raise
+                self.close_weight_transfer()  # the server lost our group (another trainer, a failure): anew
+        raise AssertionError("unreachable")
+
+    def _push(self, specs: list[TensorSpec], named_tensors: Any, version: int | None, recompute_running: bool,
+              bucket_bytes: int) -> int:
         group = self.group
+        assert group is not None
         push_id, self._push_id = self._push_id, self._push_id + 1
         body = {"names": [s.name for s in specs], "dtype_names": [s.dtype for s in specs],
                 "shapes": [list(s.shape) for s in specs], "packed": True, "bucket_bytes": bucket_bytes,
@@ -202,11 +214,8 @@ class RolloutClient:
         answer = self._pool.submit(self.request, "POST", "/update_weights", body)
         try:
             await_verdicts(group, push_id, alive=lambda: not answer.done())
-        except PushRejected:
-            answer.result()  # raises the server's 400 with the same reason
-            raise
-        except TransferError:
-            answer.result()  # the request failed before a verdict: its error says why
+        except (PushRejected, TransferError):
+            answer.result()  # raises the server's answer (400 with the reason, or why no verdict came)
             raise
         try:
             send_weights(group, specs, named_tensors, bucket_bytes)  # cast to each spec's dtype on the way

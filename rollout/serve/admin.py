@@ -7,6 +7,7 @@ the engine loop thread at a step boundary: a rejected or broken push leaves the 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from rollout.serve.errors import APIError, describe_validation
 from rollout.serve.protocol import InitWeightTransfer, UpdateWeights, UpdateWeightsFromDisk
 from rollout.serve.state import ServerState, state
 
+log = logging.getLogger("rollout.serve")
 router = APIRouter()
 _STEP_DIR = re.compile(r"step_(\d+)")
 
@@ -87,6 +89,7 @@ async def update_weights(request: Request) -> dict[str, Any]:
     except PushRejected as e:
         raise APIError(400, f"weight update rejected, nothing changed: {e}") from None
     except TransferError as e:
+        log.warning("weight push failed, the old weights still serve: %s", e)
         raise APIError(409, f"{e}; the old weights still serve; initialise a new group") from None
     except ValueError as e:
         raise APIError(409, str(e)) from None
@@ -188,7 +191,7 @@ async def sleep(request: Request, level: int = Query(1)) -> dict[str, Any]:
 async def wake_up(request: Request) -> dict[str, bool]:
     st = state(request)
     await st.run(st.engine.wake_up)
-    st.loop._wake()
+    st.loop.wake()
     return {"sleeping": False}
 
 

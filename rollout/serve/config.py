@@ -11,7 +11,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from rollout.config import EngineConfig
-from rollout.job.config import ModelConfig, SamplingConfig, _check_keys, _engine, _fail, _int, _section
+from rollout.job.config import ModelConfig, SamplingConfig, _check_keys, _engine, _section
+
+try:  # the job's shared value checks (rollout/job/checks.py, from issue 8 on)
+    from rollout.job.checks import check_int as _int
+    from rollout.job.checks import fail as _fail
+except ImportError:  # pragma: no cover - before that module landed they lived in rollout/job/config.py
+    from rollout.job.config import _fail, _int  # type: ignore[attr-defined,no-redef]
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 

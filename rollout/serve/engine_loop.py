@@ -1,10 +1,12 @@
 """The engine loop in its own thread: HTTP handlers enqueue, the loop steps and hands results back.
 
-Handlers call ``submit`` (``Engine.add_request`` is thread-safe) and await an asyncio future or queue
-that the loop fills: finished ``RequestOutput``s from ``step()``, and for streams a ``partial_output``
-after every step that landed new tokens. Everything that must happen at a step boundary (weight
-updates, pause, sleep, stats) runs in this thread through ``call``. HTTP handling therefore never blocks
-a step, and a step never waits on a client.
+Handlers ``submit`` requests (already validated with the engine's own checks) and ``abort`` them; both
+only append to a queue, which the loop drains between steps into ``Engine.add_request`` / ``abort``, so
+a handler never waits for the engine's lock while a step runs. Handlers await an asyncio future (or
+queue) that the loop fills: finished ``RequestOutput``s from ``step()``, and for streams a
+``partial_output`` after every step that landed new tokens. Everything else that must happen at a step
+boundary (weight updates, pause, sleep, stats) runs in this thread through ``call``. HTTP handling
+therefore never blocks a step, and a step never waits on a client.
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ class EngineLoop:
         self.engine = engine
         self._cv = threading.Condition()
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._incoming: deque[tuple[Any, Any, str]] = deque()  # (prompt, params, request_id) to add
+        self._aborts: deque[str] = deque()
         self._waiters: dict[str, Waiter] = {}
         self._paused = False
         self._stopping = False
@@ -110,25 +114,22 @@ class EngineLoop:
         return self._paused
 
     def submit(self, prompt: Any, params: Any, request_id: str, waiter: Waiter) -> None:
-        """Queue one request; ValueError/TypeError from the engine's checks propagate (nothing queued)."""
+        """Queue one request for the loop to add; should the engine still refuse it, the waiter fails."""
         if self.error is not None:
             raise RuntimeError(f"the engine loop has failed: {self.error!r}")
         with self._cv:
+            if self._stopping:
+                raise RuntimeError("the server is shutting down")
             self._waiters[request_id] = waiter
-        try:
-            self.engine.add_request(prompt, params, request_id)
-        except BaseException:
-            with self._cv:
-                self._waiters.pop(request_id, None)
-            raise
-        self._wake()
+            self._incoming.append((prompt, params, request_id))
+            self._cv.notify_all()
 
     def abort(self, request_id: str) -> None:
         """Abort a request whose client went away; its waiter is dropped."""
         with self._cv:
             self._waiters.pop(request_id, None)
-        self.engine.abort(request_id)
-        self._wake()
+            self._aborts.append(request_id)
+            self._cv.notify_all()
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn`` in the loop thread at the next step boundary (also while paused)."""
@@ -157,7 +158,7 @@ class EngineLoop:
     def num_waiters(self) -> int:
         return len(self._waiters)
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         with self._cv:
             self._cv.notify_all()
 
@@ -169,11 +170,23 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._stopping or self._commands or self._runnable()):
+                while not (self._stopping or self._commands or self._incoming or self._aborts or self._runnable()):
                     self._cv.wait(timeout=0.5)
                 if self._stopping:
                     break
                 commands, self._commands = list(self._commands), deque()
+                incoming, self._incoming = list(self._incoming), deque()
+                aborts, self._aborts = list(self._aborts), deque()
+            for prompt, params, rid in incoming:
+                try:
+                    self.engine.add_request(prompt, params, rid)
+                except Exception as e:  # noqa: BLE001 - handed to the request's handler (a 400)
+                    with self._cv:
+                        waiter = self._waiters.pop(rid, None)
+                    if waiter is not None:
+                        waiter.fail(e)
+            for rid in aborts:
+                self.engine.abort(rid)
             for fn, fut in commands:
                 if fut.set_running_or_notify_cancel():
                     try:
@@ -214,6 +227,7 @@ class EngineLoop:
         with self._cv:
             waiters, self._waiters = list(self._waiters.values()), {}
             commands, self._commands = list(self._commands), deque()
+            self._incoming.clear()
         for w in waiters:
             w.fail(exc)
         for _, fut in commands:

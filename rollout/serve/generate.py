@@ -103,6 +103,8 @@ async def _generate(st: ServerState, request: Request, ids: list[list[int]], par
         raise APIError(499, "client disconnected")
     try:
         return results.result()
+    except (TypeError, ValueError) as e:  # the engine refused it after all (its checks ran here first)
+        raise APIError(400, str(e)) from None
     except RuntimeError as e:
         raise APIError(503, f"generation failed: {e}") from None
 

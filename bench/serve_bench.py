@@ -1,0 +1,237 @@
+"""Issue 10's bars on the two-H200 machine, in one command: one JSON line per measurement.
+
+    bash ../shared/device/wheels.sh serve        # here, once (fastapi, uvicorn, pydantic... into .whl/)
+    # on nvidia-h200-x2 (carry .whl):
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+      && PYTHONPATH=$PWD:/tmp/site python3 bench/serve_bench.py --out $OUT/serve_h200x2.jsonl
+
+1. ``inproc``: W1-short (llama3-8b shape, bf16, 32 x 128-token prompts, 1024 new tokens, greedy) through
+   ``scripts/bench.py``'s ``run_ours`` on cuda:1: the in-process reference tok/s.
+2. ``server``: the same engine (same options, same graph warm-up) on cuda:1 behind ``rollout.serve``;
+   the driver (no GPU) sends the same 32 prompts as 32 concurrent HTTP requests. Bar: >= 0.9 of (1).
+3. ``trainer``: llama3-8b (bf16, 16 GB) on cuda:0 pushes to that server over NCCL with ``RolloutClient``:
+   one push while 32 requests run, paused in ``keep`` mode and resumed under the new version (their
+   per-token versions are checked), then timed pause + push + resume cycles. Bar: <= 0.15 s end to end.
+
+Processes use explicit device indices, not CUDA_VISIBLE_DEVICES, so NCCL sees both GPUs (P2P over NVLink).
+NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends are set for every child).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+WORKLOAD = "W1-short"
+
+
+def _bench():
+    """scripts/bench.py (presets, prompts, run_ours), loaded by path: scripts/ also holds rollout.py."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rollout_bench", ROOT / "scripts" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _engine_options(w: dict, max_num_seqs: int) -> dict:
+    """What run_ours builds its engine with, so the server's engine is the same."""
+    max_len = w["prompt_len"] + w["new"] + 16
+    blocks = int(w["prompts"] * -(-(w["prompt_len"] + w["new"]) // 16) * 1.1) + 64
+    return dict(dtype="bfloat16", max_model_len=max_len, num_blocks=blocks, max_num_seqs=max_num_seqs,
+                async_mode=True)
+
+
+def role_inproc(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.cuda.set_device(args.device)
+    b = _bench()
+    w = b.WORKLOADS[WORKLOAD]
+    hf = b.build_hf(w["preset"])
+    ns = argparse.Namespace(max_num_seqs=args.max_num_seqs)
+    rec = b.run_ours(WORKLOAD, w, hf, "async", b.copy_bandwidth_tbps(), ns)
+    print("RESULT " + json.dumps({**rec, "role": "inproc"}), flush=True)
+
+
+def role_server(args: argparse.Namespace) -> None:
+    import torch
+
+    from rollout import Engine, SamplingParams
+    from rollout.job.config import SamplingConfig
+    from rollout.serve.app import serve
+    from rollout.serve.config import ServeConfig, ServerConfig
+
+    torch.cuda.set_device(args.device)
+    b = _bench()
+    w = b.WORKLOADS[WORKLOAD]
+    hf = b.build_hf(w["preset"])
+    engine = Engine.from_pretrained(hf, **_engine_options(w, args.max_num_seqs))
+    del hf
+    torch.cuda.empty_cache()
+    warm = [[1] * 8] * min(w["prompts"], args.max_num_seqs)  # the same graph warm-up as run_ours
+    engine.generate(warm, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    for size in sorted(engine.runner.graph_sizes, reverse=True):
+        if size <= len(warm):
+            engine.generate(warm[:size], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    config = ServeConfig(sampling=SamplingConfig(n=1, max_tokens=16), server=ServerConfig(port=0, torch_threads=None))
+    serve(engine, config, w["preset"])
+
+
+def role_trainer(args: argparse.Namespace) -> None:
+    import torch
+
+    from rollout import SamplingParams
+    from trainer_hooks.client import RolloutClient
+
+    torch.cuda.set_device(args.device)
+    b = _bench()
+    w = b.WORKLOADS[WORKLOAD]
+    model = b.build_hf(w["preset"])
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    client = RolloutClient(args.url)
+    t0 = time.perf_counter()
+    client.init_weight_transfer(f"cuda:{args.device}")
+    init_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    client.push_weights(model)  # first push: allocates the server's staging buffer, warms NCCL
+    first_s = time.perf_counter() - t0
+    # A push while 32 requests run: paused in keep mode, resumed under the new version.
+    prompts, _ = b.make_prompts(w, model.config.vocab_size)
+    outs: list = []
+    load = threading.Thread(target=lambda: outs.extend(client.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=256, ignore_eos=True))))
+    load.start()
+    time.sleep(1.0)
+    t0 = time.perf_counter()
+    client.pause("keep")
+    version = client.push_weights(model)
+    client.resume()
+    under_load_s = time.perf_counter() - t0
+    load.join()
+    versions = [c.policy_versions for o in outs for c in o.outputs]
+    resumed_ok = all(v[-1] == version and v == sorted(v) for v in versions) and any(v[0] < version for v in versions)
+    cycles = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        client.pause("keep")
+        client.push_weights(model)
+        client.resume()
+        cycles.append(time.perf_counter() - t0)
+    server_s = _metric(client, "rollout_weight_update_last_seconds")
+    rec = dict(workload="serve_weight_push", role="trainer", preset=w["preset"], bytes=nbytes,
+               init_s=round(init_s, 4), first_push_s=round(first_s, 4), under_load_s=round(under_load_s, 4),
+               resumed_under_new_version=resumed_ok,
+               requests_during_push=len(versions), cycles_s=[round(c, 4) for c in cycles],
+               best_s=round(min(cycles), 4), gbps=round(nbytes / min(cycles) / 1e9, 1),
+               server_receive_apply_s=server_s, bar_s=0.15, meets_bar=min(cycles) <= 0.15,
+               device=torch.cuda.get_device_name())
+    print("RESULT " + json.dumps(rec), flush=True)
+    client.close()
+
+
+def _metric(client, name: str) -> float | None:
+    import urllib.request
+
+    with urllib.request.urlopen(client.base_url + "/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return None
+
+
+# ---- the driver ----------------------------------------------------------------------------------------------
+def _child(role: str, device: int, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, **SAFE_ENV, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, __file__, role, "--device", str(device), *extra], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _result(proc: subprocess.Popen, timeout: float) -> dict:
+    out, _ = proc.communicate(timeout=timeout)
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"no result (exit {proc.returncode}):\n{out[-4000:]}")
+
+
+def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    proc = _child("server", 1, "--max-num-seqs", str(args.max_num_seqs))
+    deadline = time.monotonic() + 400
+    for line in proc.stdout:  # type: ignore[union-attr]
+        print("  server: " + line.rstrip(), flush=True)
+        if "rollout server: serving" in line:
+            url = line.split(" on ")[1].split()[0]
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+            return proc, url
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    raise RuntimeError("the server did not start")
+
+
+def drive(args: argparse.Namespace) -> None:
+    b = _bench()
+    w = b.WORKLOADS[WORKLOAD]
+    records = []
+    inproc = _result(_child("inproc", 1, "--max-num-seqs", str(args.max_num_seqs)), 600)
+    records.append(inproc)
+    print(json.dumps(inproc), flush=True)
+    server, url = _start_server(args)
+    try:
+        from rollout import SamplingParams
+        from trainer_hooks.client import RolloutClient
+
+        client = RolloutClient(url, max_concurrency=w["prompts"])
+        prompts, params = b.make_prompts(w, b.PRESETS[w["preset"]][1]["vocab_size"])
+        client.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        t0 = time.perf_counter()
+        outs = client.generate(prompts, params)
+        wall = time.perf_counter() - t0
+        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        http = dict(workload=WORKLOAD, role="http", requests=len(prompts), concurrency=len(prompts),
+                    wall_s=round(wall, 3), generated_tokens=tokens, tok_s=round(tokens / wall, 1),
+                    inproc_tok_s=inproc["tok_s"], ratio=round(tokens / wall / inproc["tok_s"], 4), bar=0.9,
+                    meets_bar=tokens / wall >= 0.9 * inproc["tok_s"], commit=inproc.get("commit"))
+        records.append(http)
+        print(json.dumps(http), flush=True)
+        trainer = _result(_child("trainer", 0, "--url", url, "--repeats", str(args.repeats)), 600)
+        records.append(trainer)
+        print(json.dumps(trainer), flush=True)
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("role", nargs="?", default="drive", choices=["drive", "inproc", "server", "trainer"])
+    p.add_argument("--device", type=int, default=0)
+    p.add_argument("--url", default=None)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    os.environ.update(SAFE_ENV)
+    {"drive": drive, "inproc": role_inproc, "server": role_server, "trainer": role_trainer}[args.role](args)
+
+
+if __name__ == "__main__":
+    main()

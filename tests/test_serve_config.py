@@ -1,0 +1,39 @@
+"""conf/serve.yaml composes into ServeConfig; bad server settings are refused before anything loads."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from rollout.serve.config import ServeConfig
+from tests.serve_helpers import ROOT, load_serve_script
+
+
+def _config(*overrides: str) -> ServeConfig:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("serve", overrides=list(overrides))
+    return load_serve_script().load_config(cfg)
+
+
+def test_defaults_are_the_tiny_model_on_loopback():
+    c = _config()
+    assert (c.server.host, c.server.port, c.model.path) == ("127.0.0.1", 8000, None)
+    assert (c.sampling.n, c.sampling.max_tokens) == (1, 16)  # OpenAI's defaults for omitted fields
+    assert c.engine.max_num_seqs == 64  # the main job's engine group
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("server.port=70000", "server.port=70000"),
+        ("server.host=''", "server.host"),
+        ("server.max_n=0", "server.max_n=0"),
+        ("server.log_level=loud", "server.log_level='loud'"),
+        ("+server.bogus=1", "server.bogus"),
+        ("engine.block_size=12", "block_size"),
+        ("sampling.temperature=-1", "sampling.temperature"),
+    ],
+)
+def test_bad_settings_are_named(override, needle):
+    with pytest.raises(ValueError, match=needle.replace("+", r"\+").replace("[", r"\[")):
+        _config(override)
