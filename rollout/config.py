@@ -33,12 +33,22 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if not self.cpu_kv_cache_gib > 0:
-            raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+        for name in ("gpu_memory_utilization", "cpu_kv_cache_gib"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+        if not 0.0 < self.cpu_kv_cache_gib < 2**20:
+            raise ValueError(f"cpu_kv_cache_gib must be a finite number of GiB in (0, 2**20), "
+                             f"got {self.cpu_kv_cache_gib}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+        for name in ("enable_prefix_caching", "async_mode", "cuda_graphs"):
+            value = getattr(self, name)
+            if not (isinstance(value, bool) or (value is None and name != "enable_prefix_caching")):
+                allowed = "true or false" if name == "enable_prefix_caching" else "true, false or null (auto)"
+                raise TypeError(f"{name} must be {allowed}, got {value!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {self.seed!r}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 LOGPROBS_MODES = ("policy", "processed", "raw")
@@ -70,10 +71,6 @@ class SamplingParams:
         self.stop_set = frozenset(self.stop_token_ids or ())
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
     def effective_top_k(self) -> int:
         """0 means off; vLLM's -1 is accepted and normalised."""
         return 0 if self.top_k in (0, -1) else self.top_k
@@ -89,5 +86,5 @@ def _check_int(name: str, value: object, lo: int | None = None) -> None:
 def _check_num(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    if value != value:  # NaN
-        raise ValueError(f"{name} must not be NaN")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")

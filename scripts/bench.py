@@ -104,8 +104,8 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
         if b <= len(warm):
             engine.generate(warm[:b], SamplingParams(temperature=0 if "n" not in w else 1.0, max_tokens=3,
                                                      ignore_eos=True))
-    runner.records.clear()
-    runner.record_steps = True
+    runner.clock.records.clear()
+    runner.clock.record_steps = True
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -116,15 +116,15 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
     m = engine.model
     weight_bytes = m.weight_bytes_per_step()  # an untied input embedding is gathered, not read whole
     kv_token_bytes = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2
-    dec = [r for r in runner.records if r.decode]
+    dec = [r for r in runner.clock.records if r.decode]
     floor_s = sum((weight_bytes + r.kv_tokens * kv_token_bytes) / (bw * 1e12) for r in dec)
     dec_s = sum(r.compute_ms for r in dec) / 1e3
-    busy = sum(r.compute_ms for r in runner.records) / 1e3 / wall
+    busy = sum(r.compute_ms for r in runner.clock.records) / 1e3 / wall
     rec = dict(
         workload=name, timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), mode=mode,
         preset=w["preset"], prompts=len(prompts), n=n, new_tokens=w["new"], wall_s=round(wall, 3),
         generated_tokens=tokens, tok_s=round(tokens / wall, 1), decode_steps=len(dec),
-        steps=len(runner.records), mean_step_ms=round(wall / max(1, len(runner.records)) * 1e3, 3),
+        steps=len(runner.clock.records), mean_step_ms=round(wall / max(1, len(runner.clock.records)) * 1e3, 3),
         mean_decode_compute_ms=round(dec_s / max(1, len(dec)) * 1e3, 3),
         gpu_busy_frac=round(busy, 4), floor_ms=round(floor_s / max(1, len(dec)) * 1e3, 3),
         floor_ratio=round(floor_s / dec_s, 4) if dec_s else None,
@@ -192,11 +192,14 @@ def run_weight_push(hf: torch.nn.Module, preset: str, repeats: int = 3) -> dict:
 
 
 def _commit() -> str:
+    """$COMMIT first: the GPU machine's copy of the tree may carry a stale .git."""
+    if os.environ.get("COMMIT"):
+        return os.environ["COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(__file__)).stdout.strip() or os.environ.get("COMMIT", "unknown")
+                              cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
     except OSError:
-        return os.environ.get("COMMIT", "unknown")
+        return "unknown"
 
 
 def main() -> None:

@@ -1,11 +1,25 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, then benchmarks. Usage: bash scripts/gpu_check.sh "<bench args>" ...
+# One device call: the GPU test suite, then benchmarks. The log's first line names the commit it ran at.
+#   COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh "--workload W3 --modes async" ...
+# (on the GPU machine there is no .git: pass COMMIT). Writes $OUT/gpu_tests_<date>_<commit>.log and
+# $OUT/bench.jsonl; commit both to bench/results/.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
+COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export COMMIT
+LOG="$OUT/gpu_tests_$(date -u +%F)_${COMMIT}.log"
+{
+  echo "commit $COMMIT"
+  echo "date $(date -u +%FT%TZ)"
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+} > "$LOG" 2>&1
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -x -s tests/gpu 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -x -s -p no:cacheprovider ${GPU_TESTS:-tests/gpu} 2>&1 \
+    | grep -v -E "Warning|warnings.warn" | tail -"${LOG_LINES:-80}" >> "$LOG"
+  echo "pytest exit ${PIPESTATUS[0]}" >> "$LOG"
+  tail -3 "$LOG"
 fi
 for args in "$@"; do
   echo "== bench.py $args"

@@ -112,7 +112,13 @@ def test_update_weights_all_or_nothing_and_follows_new_model(hf):
     after = engine.generate([prompt], greedy(6))[0].outputs[0]
     assert after.policy_versions == [1] * 6
     assert_matches_hf(new, prompt, after)
-    assert engine.update_weights([], version=7) == 7 and engine.policy_version == 7
+    assert engine.update_weights(new.named_parameters(), version=7) == 7 and engine.policy_version == 7
+    for empty in ([], {}):  # an empty update is a caller's bug, never a silent version bump
+        with pytest.raises(ValueError, match="no tensors"):
+            engine.update_weights(empty)
+    with pytest.raises(ValueError, match="version must be >= 0"):
+        engine.update_weights(new.named_parameters(), version=-1)
+    assert engine.policy_version == 7
 
 
 def test_unknown_engine_option_and_unsupported_model(hf):

@@ -47,7 +47,7 @@ def test_overrides_reach_the_dataclasses() -> None:
     assert job.logger.wandb.mode == "disabled" and job.engine.max_num_seqs == 8
     assert job.output_dir == "/tmp/x"
     params = job.sampling.to_params()
-    assert isinstance(params, SamplingParams) and params.greedy and params.n == 3
+    assert isinstance(params, SamplingParams) and params.temperature == 0 and params.n == 3
     assert params.stop == ["x", "yz"]
 
 

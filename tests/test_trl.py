@@ -70,20 +70,21 @@ def test_grpo_trainer_with_engine_rollouts(tok, tmp_path):
     engine = make_engine(_tiny(tok, seed=7), block_size=4)  # different weights: the first sync must fix them
     rollout = TRLRollout(engine)
     requests, shared, checks = [], set(), []
-    add_request, step = engine.add_request, engine.step
+    scheduler = engine.scheduler
+    add, schedule = scheduler.add, scheduler.schedule
 
-    def spy_add(prompt, params=None, request_id=None):
-        requests.append((len(prompt), params.n))
-        return add_request(prompt, params, request_id)
+    def spy_add(request):  # every request generate() queues passes through the scheduler
+        requests.append((len(request.prompt_token_ids), request.params.n))
+        return add(request)
 
-    def spy_step():
+    def spy_schedule(*args):
         by_request = {}
-        for seq in engine.scheduler.running:
+        for seq in scheduler.running:
             by_request.setdefault(seq.request_id, []).append(seq.block_table[:1])
         shared.update(r for r, tables in by_request.items() if len(tables) > 1 and all(tables[0] == t for t in tables))
-        return step()
+        return schedule(*args)
 
-    engine.add_request, engine.step = spy_add, spy_step
+    scheduler.add, scheduler.schedule = spy_add, spy_schedule
 
     def checked_rollout(prompts, trainer):
         rows = rollout(prompts, trainer)
@@ -134,8 +135,8 @@ def test_runs_of_identical_prompts_become_one_request_each(tok):
     model = _tiny(tok)
     engine = make_engine(model, block_size=4)
     calls = []
-    add_request = engine.add_request
-    engine.add_request = lambda p, sp=None, rid=None: calls.append(sp.n) or add_request(p, sp, rid)
+    add = engine.scheduler.add
+    engine.scheduler.add = lambda request: calls.append(request.params.n) or add(request)
     prompts = ["1 + 1 =", "1 + 1 =", "7 * 8 =", "7 * 8 =", "7 * 8 =", "1 + 1 ="]
     rows = TRLRollout(engine)(prompts, _fake_trainer(model, tok, step=3, temperature=0.7))
     assert calls == [2, 3, 1] and engine.policy_version == 3

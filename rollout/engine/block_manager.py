@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from rollout.engine.sequence import PLACEHOLDER, Sequence
@@ -36,7 +37,8 @@ def _root_hash(epoch: int) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
-def _chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
+def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
+    """The prefix cache's key of a full block: its parent block's key and its own token ids."""
     data = parent.to_bytes(_HASH_BYTES, "little") + array("q", tokens).tobytes()
     return int.from_bytes(hashlib.blake2b(data, digest_size=_HASH_BYTES).digest(), "little")
 
@@ -44,7 +46,8 @@ def _chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
 class BlockManager:
     """Owns the block pool; sequences hold block ids in ``block_table`` and hashes in ``block_hashes``."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_fn: Callable[[int, tuple[int, ...]], int] = chain_hash) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {value!r}")
@@ -53,6 +56,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.hash_fn = hash_fn  # replaceable so tests can force digest collisions
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free_plain: deque[int] = deque(range(num_blocks))  # free, no hash: reused first
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # free, hashed: least recently freed first
@@ -93,7 +97,7 @@ class BlockManager:
         parent = self._root
         for i in range(num_full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = _chain_hash(parent, tokens)
+            h = self.hash_fn(parent, tokens)
             block_id = self._hash_to_block.get(h)
             if block_id is None:
                 break
@@ -176,11 +180,12 @@ class BlockManager:
         child.block_hashes = parent.block_hashes[: num_tokens // self.block_size]
         child.num_computed_tokens = child.num_cached_tokens = num_tokens
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: Sequence, register: bool = True) -> None:
         """Drop the sequence's references; tail blocks go to the free list first, so they are reused
         before head blocks, which are the likelier prefix hits. Full computed blocks are registered first
-        so a finished sequence's prompt and output stay reusable (every planned token was launched)."""
-        if self.enable_prefix_caching and seq.seq_id in self._seq_root:
+        so a finished sequence's prompt and output stay reusable (every planned token was launched);
+        ``register=False`` after a failed step, whose KV writes may not have happened."""
+        if register and self.enable_prefix_caching and seq.seq_id in self._seq_root:
             self._register_full_blocks(seq)
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
@@ -209,6 +214,37 @@ class BlockManager:
         self._hash_to_block.clear()
         self._epoch += 1
         self._root = _root_hash(self._epoch)
+
+    def check_invariants(self, seqs: Iterable[Sequence]) -> None:
+        """Assert the pool's bookkeeping is consistent with ``seqs`` (every live sequence holding blocks):
+        hash chains match each sequence's tokens, reference counts match holders, the free lists hold
+        exactly the unreferenced blocks (hashed ones in the cached list), and the hash index is exact.
+        For tests and debugging; O(blocks + tokens)."""
+        holders = [0] * self.num_blocks
+        for seq in seqs:
+            assert len(seq.block_hashes) <= len(seq.block_table), f"seq {seq.seq_id}: more hashes than blocks"
+            assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens, f"seq {seq.seq_id}"
+            parent = self._seq_root.get(seq.seq_id)
+            assert parent is not None or not seq.block_table, f"seq {seq.seq_id} holds blocks but no chain seed"
+            for i, h in enumerate(seq.block_hashes):
+                tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+                assert h == self.hash_fn(parent, tokens), f"seq {seq.seq_id}: block {i}'s hash is not its chain"
+                parent = h
+            for block_id in seq.block_table:
+                holders[block_id] += 1
+        assert all(self.blocks[i].hash is None for i in self._free_plain), "a plain free block holds a hash"
+        assert all(self.blocks[i].hash is not None for i in self._free_cached), "a cached free block lost its hash"
+        free = list(self._free_plain) + list(self._free_cached)
+        assert len(free) == len(set(free)) == self.num_free_blocks, "a block is free twice"
+        free_set = set(free)
+        for block in self.blocks:
+            assert block.ref_count == holders[block.block_id], (block.block_id, block.ref_count)
+            assert (block.block_id in free_set) == (block.ref_count == 0), f"block {block.block_id} free/used mismatch"
+        for h, block_id in self._hash_to_block.items():
+            block = self.blocks[block_id]
+            assert block.hash == h and len(block.token_ids) == self.block_size, f"index entry of block {block_id}"
+        assert all(b.hash is None or self._hash_to_block.get(b.hash) == b.block_id for b in self.blocks)
+        assert self.enable_prefix_caching or not self._hash_to_block
 
     # ---- internals ------------------------------------------------------------------------------------
 
@@ -242,7 +278,7 @@ class BlockManager:
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             assert PLACEHOLDER not in tokens, f"seq {seq.seq_id}: placeholder before num_known_tokens"
             parent = seq.block_hashes[-1] if seq.block_hashes else self._seq_root[seq.seq_id]
-            h = _chain_hash(parent, tokens)
+            h = self.hash_fn(parent, tokens)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self._hash_to_block:
                 block.hash, block.parent_hash, block.token_ids = h, parent, tokens

@@ -6,7 +6,7 @@ execute(plan N+1) returns as soon as the work is queued:
   compute: wait h2d; carry-over (batch N's sampled tokens, still on the device in slot A, are
            copied into the placeholder inputs); forward; sample -> slot B's output buffers
   d2h:     wait compute -> copy tokens and logprobs to pinned host memory
-collect(N) waits only for batch N's device-to-host event. The CPU therefore schedules and prepares
+batch N's ``pending.result()`` waits only for its device-to-host event. The CPU therefore schedules and prepares
 batch N+1 while the GPU runs batch N; the only blocking point is reading batch N's tokens.
 
 Decode steps replay CUDA graphs captured per (slot, padded batch size, sampler variant), all from
@@ -16,27 +16,17 @@ one memory pool (graphs never run concurrently, so two slots cost about one).
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from rollout.engine.inputs import HostInputs, build_host_inputs
 from rollout.engine.io_slot import IOSlot, SlotShape
+from rollout.engine.kv_cache import KVCache
 from rollout.engine.plan import BatchPlan, SampleResult
-from rollout.layers.attention_metadata import AttentionMetadata
-from rollout.layers.sampler import SamplingTensors, sample
+from rollout.engine.runner import copy_blocks, forward_and_sample, make_metadata, make_sampling
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-
-
-@dataclass(slots=True)
-class CudaPendingStep:
-    plan: BatchPlan
-    slot: IOSlot
-    rows: list[int]  # output-buffer row of each sampling sequence, in plan order
-    decode: bool
-    kv_tokens: int  # context tokens whose KV this step reads
-    batch: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,14 +37,43 @@ class StepRecord:
     compute_ms: float
 
 
+@dataclass(slots=True)
+class StepClock:
+    """Compute-stream time of collected steps: the engine's GPU busy fraction, and per-step records
+    for scripts/bench.py while ``record_steps`` is on."""
+
+    total_ms: float = 0.0
+    record_steps: bool = False
+    records: list[StepRecord] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CudaPendingStep:
+    plan: BatchPlan
+    slot: IOSlot
+    rows: list[int]  # output-buffer row of each sampling sequence, in plan order
+    decode: bool
+    batch: int
+    clock: StepClock
+
+    def result(self) -> SampleResult:
+        slot = self.slot
+        slot.d2h_done.synchronize()
+        toks, lps = slot.host_tokens.tolist(), slot.host_logprobs.tolist()
+        ms = slot.compute_start.elapsed_time(slot.compute_end)
+        self.clock.total_ms += ms
+        if self.clock.record_steps:
+            self.clock.records.append(StepRecord(self.decode, self.batch, self.plan.num_context_tokens, ms))
+        return SampleResult(self.plan.step_id, [toks[r] for r in self.rows], [lps[r] for r in self.rows])
+
+
 class CudaModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
+    def __init__(self, model: torch.nn.Module, kv: KVCache, block_size: int,
                  attn_backend: object, device: torch.device, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, cuda_graphs: bool,
                  max_graph_batch_size: int) -> None:
-        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.model, self.kv, self.block_size = model, kv, block_size
         self.attn_backend, self.device = attn_backend, device
-        self.vocab_size: int = model.vocab_size
         self.shape = SlotShape(
             max_tokens=max(max_num_batched_tokens, max_num_seqs), max_seqs=max_num_seqs,
             max_blocks=-(-max_model_len // block_size), max_suppress=16, max_copies=max_num_seqs,
@@ -68,10 +87,8 @@ class CudaModelRunner:
         self.graphs: dict[tuple[int, int, tuple[bool, bool, bool]], torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
         self._next_slot = 0
-        self._prev_rows: list[int] = []  # sample row -> output-buffer row of the previous step
-        self.records: list[StepRecord] = []  # per step, for scripts/bench.py; only while record_steps
-        self.record_steps = False
-        self.compute_ms_total = 0.0  # compute-stream time of every collected step (engine's gpu_busy_frac)
+        self._last_rows: dict[int, int] = {}  # seq_id -> its sample's row in the previous step's output buffer
+        self.clock = StepClock()
 
     # ---- the step ----------------------------------------------------------------------------
     def execute(self, plan: BatchPlan) -> CudaPendingStep:
@@ -84,7 +101,7 @@ class CudaModelRunner:
         if slot.used:
             slot.h2d_done.synchronize()  # the pinned buffers' last copy (two steps ago) is done
         rows = self._fill(slot, h, graph_b, plan.block_copies)
-        variant = self._variant(h)
+        variant = h.sampler_variant
         with torch.cuda.stream(self.h2d):
             if slot.used:
                 self.h2d.wait_event(slot.compute_done)
@@ -111,18 +128,15 @@ class CudaModelRunner:
             slot.host_logprobs[:n].copy_(slot.out_logprobs[:n], non_blocking=True)
             slot.d2h_done.record(self.d2h)
         slot.used = True
-        self._prev_rows = rows
-        return CudaPendingStep(plan, slot, rows, decode, sum(h.seq_lens), b)
+        self._last_rows = dict(zip(h.sample_seq_ids, rows))
+        return CudaPendingStep(plan, slot, rows, decode, b, self.clock)
 
-    def collect(self, pending: CudaPendingStep) -> SampleResult:
-        slot = pending.slot
-        slot.d2h_done.synchronize()
-        toks, lps = slot.host_tokens.tolist(), slot.host_logprobs.tolist()
-        ms = slot.compute_start.elapsed_time(slot.compute_end)
-        self.compute_ms_total += ms
-        if self.record_steps:
-            self.records.append(StepRecord(pending.decode, pending.batch, pending.kv_tokens, ms))
-        return SampleResult(pending.plan.step_id, [toks[r] for r in pending.rows], [lps[r] for r in pending.rows])
+    @property
+    def compute_seconds(self) -> float | None:
+        return self.clock.total_ms / 1e3
+
+    def reset(self) -> None:
+        self._last_rows = {}
 
     # ---- host side ---------------------------------------------------------------------------
     def _graph_size(self, h: HostInputs) -> int:
@@ -142,8 +156,8 @@ class CudaModelRunner:
         v("slot_mapping")[:t] = h.slot_mapping
         carry = v("carry")
         carry[:tt] = -1
-        for dst, src in zip(h.carry_dst, h.carry_src):
-            carry[dst] = self._prev_rows[src]
+        for dst, seq_id in zip(h.carry_dst, h.carry_seq):
+            carry[dst] = self._last_rows[seq_id]
         v("query_start_loc")[: b + 1] = h.query_start_loc
         v("seq_lens")[:b] = h.seq_lens
         tables = v("block_tables").reshape(self.shape.max_seqs, self.shape.max_blocks)
@@ -182,16 +196,9 @@ class CudaModelRunner:
             if h.suppress[j]:
                 sup[r, : len(h.suppress[j])] = h.suppress[j]
 
-    @staticmethod
-    def _variant(h: HostInputs) -> tuple[bool, bool, bool]:
-        greedy = all(x == 0 for x in h.temperature)
-        return (greedy, h.needs_filter, any(h.suppress))
-
     # ---- device side -------------------------------------------------------------------------
     def _copy_blocks(self, slot: IOSlot, n: int) -> None:
-        src, dst = slot.dev_view("copy_src", n), slot.dev_view("copy_dst", n)
-        for cache in self.kv_caches:
-            cache[:, dst] = cache[:, src]
+        copy_blocks(self.kv.layers, slot.dev_view("copy_src", n), slot.dev_view("copy_dst", n))
 
     def _forward(self, slot: IOSlot, t: int, b: int, n_rows: int, h: HostInputs | None,
                  variant: tuple[bool, bool, bool]) -> None:
@@ -200,30 +207,24 @@ class CudaModelRunner:
         carry = slot.dev_view("carry", t)
         ids = torch.where(carry >= 0, prev[carry.clamp(min=0)], slot.dev_view("input_ids", t))
         tables = slot.dev_view("block_tables", b * self.shape.max_blocks).view(b, self.shape.max_blocks)
-        meta = AttentionMetadata(
-            positions=slot.dev_view("positions", t), slot_mapping=slot.dev_view("slot_mapping", t),
-            query_start_loc=slot.dev_view("query_start_loc", b + 1), seq_lens=slot.dev_view("seq_lens", b),
-            block_tables=tables, max_query_len=h.max_query_len if h else 1,
-            max_seq_len=h.max_seq_len if h else self.shape.max_blocks * self.block_size,
-            decode_only=h.decode_only if h else True,
+        per_seq = {"query_start_loc": b + 1, "seq_lens": b}
+        meta = make_metadata(
+            lambda name, _dt: slot.dev_view(name, per_seq.get(name, t)), tables,
+            h.max_query_len if h else 1, h.max_seq_len if h else self.shape.max_blocks * self.block_size,
+            h.decode_only if h else True,
         )
-        hidden = self.model(ids, meta.positions, self.kv_caches, meta, self.attn_backend)
-        if n_rows == 0:
-            return  # a prefill chunk that samples nothing
-        logits = self.model.compute_logits(hidden[slot.dev_view("sample_idx", n_rows)])
-        greedy, needs_filter, suppress = variant
-        st = SamplingTensors(
-            temperature=slot.dev_view("temperature", n_rows), top_k=slot.dev_view("top_k", n_rows),
-            top_p=slot.dev_view("top_p", n_rows), min_p=slot.dev_view("min_p", n_rows),
-            seed=slot.dev_view("seed", n_rows), position=slot.dev_view("position", n_rows),
-            mode=slot.dev_view("mode", n_rows),
-            suppress_ids=(slot.dev_view("suppress", n_rows * self.shape.max_suppress)
-                          .view(n_rows, self.shape.max_suppress) if suppress else None),
-            needs_filter=needs_filter, all_greedy=greedy,
-        )
-        tokens, logprobs = sample(logits, st)
-        slot.out_tokens[:n_rows].copy_(tokens)
-        slot.out_logprobs[:n_rows].copy_(logprobs)
+        sampling = None
+        if n_rows:
+            suppress = None
+            if variant[2]:
+                suppress = slot.dev_view("suppress", n_rows * self.shape.max_suppress).view(
+                    n_rows, self.shape.max_suppress)
+            sampling = make_sampling(lambda name, _dt: slot.dev_view(name, n_rows), suppress, variant)
+        out = forward_and_sample(self.model, self.kv.layers, self.attn_backend, ids, meta,
+                                 slot.dev_view("sample_idx", n_rows), sampling)
+        if out is not None:  # None: a prefill chunk that samples nothing
+            slot.out_tokens[:n_rows].copy_(out[0])
+            slot.out_logprobs[:n_rows].copy_(out[1])
 
     def _replay(self, slot: IOSlot, b: int, variant: tuple[bool, bool, bool], h: HostInputs) -> None:
         key = (slot.index, b, variant)
@@ -246,6 +247,7 @@ class CudaModelRunner:
         torch.cuda.synchronize(self.device)
         self.graphs.clear()
         self.graph_pool = None
+        self.reset()
 
-    def restore(self, kv_caches: list[torch.Tensor]) -> None:
-        self.kv_caches = kv_caches
+    def restore(self) -> None:
+        pass  # graphs are captured again, against ``kv.layers``, on first use

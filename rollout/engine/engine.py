@@ -1,8 +1,12 @@
-"""The engine: requests in, finished outputs out. The loop is schedule -> run -> postprocess.
+"""The engine: requests in, finished outputs out. Each step is schedule -> execute -> update.
 
-In async mode the order becomes schedule N+1 -> launch N+1 -> collect N -> postprocess N, so the
-host prepares the next batch while the device computes; a stop is then seen one step late and the
-extra token is dropped by ``Scheduler.finish``.
+In async mode the order becomes schedule N+1 -> execute N+1 -> update N, so the host prepares the
+next batch while the device computes; a stop is then seen one step late and the extra token is
+dropped by the scheduler. A step that raises (an interrupt, out of memory, a kernel error) is rolled
+back: every running sequence is recomputed from its known tokens, so the engine stays consistent.
+
+Threads: every public method takes one lock. Outputs of requests a ``generate`` call is waiting for
+go to that call; ``step()`` returns only the others (online requests from ``add_request``).
 """
 
 from __future__ import annotations
@@ -10,10 +14,8 @@ from __future__ import annotations
 import itertools
 import random
 import threading
-import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
@@ -22,31 +24,19 @@ from rollout.engine import loading
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.cuda_runner import CudaModelRunner
 from rollout.engine.kv_cache import KVCache
-from rollout.engine.model_runner import ModelRunner, PendingStep
+from rollout.engine.model_runner import ModelRunner
+from rollout.engine.runner import PendingStep, Runner
 from rollout.engine.scheduler import Scheduler, SchedulerLimits
 from rollout.engine.sequence import Request, Sequence
-from rollout.engine.stop import check_stop, truncate_at_stop
-from rollout.engine.validation import check_lengths, normalize_params, to_token_ids
+from rollout.engine.stats import EngineStats, StepCounters
+from rollout.engine.stop import truncate_at_stop
+from rollout.engine.validation import check_lengths, check_request_id, normalize_params, to_token_ids
 from rollout.engine.weight_sync import WeightSync
 from rollout.layers.backends import make_attention_backend
 from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.sampling_params import SamplingParams
 
-
-@dataclass(slots=True)
-class EngineStats:
-    num_running_seqs: int
-    num_waiting_seqs: int
-    kv_cache_usage: float
-    num_steps: int
-    num_preemptions: int
-    num_generated_tokens: int
-    num_prompt_tokens: int
-    num_scheduled_seqs: int
-    gpu_busy_frac: float | None  # compute-stream time / wall time, first to latest step (None on CPU)
-    policy_version: int
-    gpu_compute_s: float | None = None  # cumulative compute-stream time: a window's busy = delta / its wall
-    bytes_read: int = 0  # cumulative bytes the steps had to read (weights + live KV): the byte floor's numerator
+__all__ = ["Engine", "EngineStats"]
 
 
 class Engine:
@@ -60,39 +50,39 @@ class Engine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
                              f"{limit}; allowed: 1 .. {limit}")
         self.max_model_len = config.max_model_len or limit
+        self.attn_backend = make_attention_backend(config.attention_backend, device, config.block_size)
         self.kv = KVCache(model, config, device, self.dtype, self.max_model_len)
         self.num_blocks = self.kv.num_blocks
         self.async_mode = (device.type == "cuda") if config.async_mode is None else config.async_mode
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        detokenize = None
+        if tokenizer is not None:
+            detokenize = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # type: ignore[attr-defined]
         self.scheduler = Scheduler(
-            SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens), self.block_manager
+            SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens), self.block_manager, detokenize
         )
-        self._sleep_level = 0
-        self.kv_caches = self.kv.layers
-        self.attn_backend = make_attention_backend(config.attention_backend, device, config.block_size)
-        self.runner = self._make_runner()
+        self.runner: Runner = self._make_runner()
         self.weights = WeightSync(model)
         self.policy_version = 0
+        self.counters = StepCounters(model.weight_bytes_per_step(), self.kv.token_bytes)
+        self._sleep_level = 0
         self._rng = random.Random(config.seed)
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._inflight: PendingStep | None = None
         self._lock = threading.RLock()
-        self._finished: list[RequestOutput] = []
-        self._stats = dict(steps=0, generated=0, prompt=0, scheduled=0, bytes=0)
-        self._weight_bytes = model.weight_bytes_per_step()
-        self._t_first: float | None = None
-        self._t_last = 0.0
+        self._claimed: dict[str, RequestOutput | None] = {}  # requests a generate() call waits for
+        self._unclaimed: list[RequestOutput] = []  # finished online requests, for the next step() caller
 
-    def _make_runner(self) -> ModelRunner | CudaModelRunner:
+    def _make_runner(self) -> Runner:
         c = self.config
         if self.device.type != "cuda":
-            return ModelRunner(self.model, self.kv_caches, c.block_size, self.attn_backend, self.device)
+            return ModelRunner(self.model, self.kv, c.block_size, self.attn_backend, self.device)
         graphs = c.cuda_graphs if c.cuda_graphs is not None else self.attn_backend.name != "torch"
         if graphs and self.attn_backend.name == "torch":
             raise ValueError("cuda_graphs=True needs a graph-capturable attention backend ('triton'), not 'torch'")
         return CudaModelRunner(
-            self.model, self.kv_caches, c.block_size, self.attn_backend, self.device,
+            self.model, self.kv, c.block_size, self.attn_backend, self.device,
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=self.max_model_len, cuda_graphs=graphs, max_graph_batch_size=c.max_graph_batch_size,
         )
@@ -109,17 +99,25 @@ class Engine:
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: object, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
+        """Queue one request for ``step()`` (online use); returns its id. Bad input raises, nothing queued."""
         params = normalize_params(sampling_params, 1)[0]
+        ids = self._prepare(prompt, params)
+        with self._lock:
+            return self._enqueue(request_id, ids, params, prompt)
+
+    def _prepare(self, prompt: object, params: SamplingParams) -> list[int]:
+        """Everything about one request that can be refused, checked before anything is queued."""
         ids = to_token_ids(prompt, self.tokenizer, self.model.vocab_size)
         check_lengths(len(ids), params, self.max_model_len, self.kv.num_tokens)
-        with self._lock:
-            request_id = request_id if request_id is not None else uuid.uuid4().hex
-            if request_id in self.scheduler.requests:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            self.scheduler.add(self._make_request(request_id, ids, params, prompt))
-        return request_id
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings {params.stop!r} need a tokenizer, and this engine has none; "
+                             "use stop_token_ids, or load the model with a tokenizer")
+        return ids
 
-    def _make_request(self, request_id: str, ids: list[int], params: SamplingParams, prompt: object) -> Request:
+    def _enqueue(self, request_id: str | None, ids: list[int], params: SamplingParams, prompt: object) -> str:
+        request_id = uuid.uuid4().hex if request_id is None else check_request_id(request_id)
+        if request_id in self.scheduler.requests or request_id in self._claimed:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         arrival = next(self._arrivals)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         stop_ids = tuple(sorted(params.stop_set | (frozenset() if params.ignore_eos else self.eos_ids)))
@@ -129,55 +127,67 @@ class Engine:
                            parent=seqs[0] if seqs else None, stop_ids=stop_ids)
             seq.sample_seed = (base_seed + 0x9E3779B97F4A7C15 * i) & ((1 << 63) - 1)
             seqs.append(seq)
-        return Request(request_id, ids, params, seqs, prompt if isinstance(prompt, str) else None, arrival)
+        self.scheduler.add(Request(request_id, ids, params, seqs, prompt if isinstance(prompt, str) else None))
+        return request_id
 
     def abort(self, request_id: str) -> None:
+        """Finish the request now (``finish_reason="abort"``, tokens so far kept); unknown ids are ignored."""
         with self._lock:
             request = self.scheduler.abort(request_id)
             if request is not None:
-                self._finished.append(self._output(self.scheduler.pop_finished(request_id)))
+                self._deliver(self._output(request))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._finished)
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._unclaimed)
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns the requests that finished in it."""
+        """One engine step; returns the online requests that finished (not those a generate() awaits)."""
         with self._lock:
-            plan = self.scheduler.schedule(self.policy_version)
-            if plan is not None and self._t_first is None:
-                self._t_first = time.perf_counter()
-            launched = self.runner.execute(plan) if plan is not None else None
-            if plan is not None:
-                self._stats["steps"] += 1
-                self._stats["scheduled"] += len(plan.seqs)
-                self._stats["bytes"] += self._weight_bytes + sum(sp.seq_len for sp in plan.seqs) * self.kv.token_bytes
-                seqs = self.scheduler.seqs
-                self._stats["prompt"] += sum(
-                    max(0, min(s.seq_len, seqs[s.seq_id].num_prompt_tokens) - s.start_pos) for s in plan.seqs
-                )
-            if self.async_mode:
-                previous, self._inflight = self._inflight, launched
-                if previous is not None:
-                    self._postprocess(previous)
-            elif launched is not None:
-                self._postprocess(launched)
-            if plan is None and self._inflight is None and self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler has unfinished requests but nothing to run (bug)")
-            self._t_last = time.perf_counter()
-            done, self._finished = self._finished, []
+            self._step()
+            done, self._unclaimed = self._unclaimed, []
             return done
 
-    def _postprocess(self, pending: PendingStep) -> None:
-        result = self.runner.collect(pending)
-        for seq in self.scheduler.fill(pending.plan, result, pending.plan.policy_version):
-            self._stats["generated"] += 1
-            stop = check_stop(seq, self.eos_ids, self.tokenizer)
-            if stop is not None:
-                self.scheduler.finish(seq, *stop)
-                request = self.scheduler.pop_finished(seq.request_id)
-                if request is not None:
-                    self._finished.append(self._output(request))
+    def _step(self) -> None:
+        if not self.kv.allocated:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the engine is asleep (sleep() was called); call wake_up() before stepping")
+            return
+        plan = None
+        try:
+            plan = self.scheduler.schedule(self.policy_version)
+            launched = None
+            if plan is not None:
+                launched = self.runner.execute(plan)
+                self.counters.on_launch(plan)
+            previous = launched
+            if self.async_mode:
+                previous, self._inflight = self._inflight, launched
+            if previous is not None:
+                self._update(previous)
+        except BaseException:
+            self._rollback()
+            raise
+        self.counters.on_step_end()
+        if plan is None and self._inflight is None and self.scheduler.has_unfinished():
+            raise RuntimeError("scheduler has unfinished requests but nothing to run (bug)")
+
+    def _update(self, pending: PendingStep) -> None:
+        for request in self.scheduler.update_from_output(pending.plan, pending.result()):
+            self._deliver(self._output(request))
+
+    def _rollback(self) -> None:
+        """A step raised: its samples and any in flight are lost; recompute every running sequence."""
+        self._inflight = None
+        self.scheduler.rollback()
+        self.runner.reset()
+        self.counters.failed += 1
+
+    def _deliver(self, out: RequestOutput) -> None:
+        if out.request_id in self._claimed:
+            self._claimed[out.request_id] = out
+        else:
+            self._unclaimed.append(out)
 
     def partial_output(self, request_id: str) -> RequestOutput | None:
         """A running request's tokens so far (``finished=False``), for streaming; None when unknown or done.
@@ -202,6 +212,10 @@ class Engine:
         return RequestOutput(request.request_id, request.prompt_token_ids, outs, request.prompt, finished)
 
     def generate(self, prompts: object, sampling_params: object = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run the prompts to completion; outputs in prompt order. Safe to call from several threads
+        (each call gets its own outputs) and beside a thread calling ``step()``. If it raises (bad input:
+        nothing was queued; a failed step or an interrupt: its requests are aborted), the engine is
+        left consistent."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -209,34 +223,41 @@ class Engine:
         if not prompts:
             return []
         params = normalize_params(sampling_params, len(prompts))
-        # Validate everything before queueing anything: a bad prompt leaves the engine untouched.
-        ids = [to_token_ids(p, self.tokenizer, self.model.vocab_size) for p in prompts]
-        for i, (x, p) in enumerate(zip(ids, params)):
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                check_lengths(len(x), p, self.max_model_len, self.kv.num_tokens)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-        rids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params)]
-        wanted = set(rids)
-        results: dict[str, RequestOutput] = {}
+                ids.append(self._prepare(prompt, p))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+        with self._lock:
+            if not self.kv.allocated:
+                raise RuntimeError("the engine is asleep (sleep() was called); call wake_up() before generate()")
+            rids = [self._enqueue(None, x, p, prompt) for x, p, prompt in zip(ids, params, prompts)]
+            self._claimed.update((r, None) for r in rids)
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(rids), desc="generate", unit="req")
-        others: list[RequestOutput] = []
-        while wanted - results.keys():
-            for out in self.step():
-                if out.request_id in wanted:
-                    results[out.request_id] = out
+        try:
+            while True:
+                with self._lock:
+                    done = sum(self._claimed[r] is not None for r in rids)
                     if bar is not None:
-                        bar.update(1)
-                else:
-                    others.append(out)  # someone else's online request: handed to their next step()
-        self._finished.extend(others)
-        if bar is not None:
-            bar.close()
-        return [results[r] for r in rids]
+                        bar.update(done - bar.n)
+                    if done == len(rids):
+                        return [self._claimed.pop(r) for r in rids]  # type: ignore[misc]
+                    self._step()
+        except BaseException:
+            with self._lock:
+                for r in rids:
+                    if self._claimed.get(r) is None:
+                        self.scheduler.abort(r)
+                    self._claimed.pop(r, None)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
 
     # ---- weights and memory ------------------------------------------------------------------
     def update_weights(
@@ -250,12 +271,19 @@ class Engine:
         exactly the new policy's given its whole context (``recompute_running=False`` keeps the old KV:
         cheaper, but later tokens then depend on KV the old weights computed).
         """
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
-            raise TypeError(f"version must be an int or None, got {version!r}")
+        if version is not None:
+            if isinstance(version, bool) or not isinstance(version, int):
+                raise TypeError(f"version must be an int >= 0 or None, got {version!r}")
+            if version < 0:
+                raise ValueError(f"version must be >= 0, got {version}")
         with self._lock:
             if self._inflight is not None:
                 pending, self._inflight = self._inflight, None
-                self._postprocess(pending)
+                try:
+                    self._update(pending)
+                except BaseException:
+                    self._rollback()
+                    raise
             self.weights.apply(named_tensors)
             self.block_manager.reset_prefix_cache()
             if recompute_running:
@@ -294,7 +322,7 @@ class Engine:
             if self._sleep_level == 2:
                 self._offload_weights(self.device)
             self.kv.allocate()
-            self.runner.restore(self.kv_caches)
+            self.runner.restore()
             self._sleep_level = 0
 
     @property
@@ -308,12 +336,10 @@ class Engine:
                 t.data = t.data.to(device, non_blocking=False)
 
     def get_stats(self) -> EngineStats:
-        s = self._stats
-        busy = None
-        compute_ms = getattr(self.runner, "compute_ms_total", 0.0)
-        if compute_ms and self._t_first is not None and self._t_last > self._t_first:
-            busy = min(1.0, compute_ms / 1e3 / (self._t_last - self._t_first))
-        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, self.block_manager.usage,
-                           s["steps"], self.scheduler.num_preemptions, s["generated"], s["prompt"],
-                           s["scheduled"], busy, self.policy_version,
-                           compute_ms / 1e3 if self.device.type == "cuda" else None, s["bytes"])
+        with self._lock:
+            c, s = self.counters, self.scheduler
+            compute = self.runner.compute_seconds
+            kv_bytes = self.kv.storage.numel() * self.kv.storage.element_size() if self.kv.allocated else 0
+            return EngineStats(s.num_running, s.num_waiting, self.block_manager.usage, c.steps, s.num_preemptions,
+                               s.num_generated_tokens, c.prompt, c.scheduled, c.busy_frac(compute),
+                               self.policy_version, compute, c.bytes, kv_bytes, self.kv.num_tokens, c.failed)

@@ -1,6 +1,8 @@
 """Turn a BatchPlan into the flat host arrays every runner needs (plain Python, no device work).
 
-The CPU runner wraps them in tensors; the CUDA runner copies them into pinned IO-slot buffers.
+The one place a plan becomes inputs: the CPU runner wraps them in tensors; the CUDA runner copies them
+into pinned IO-slot buffers. Carry-over is given by sequence id (``carry_seq``); each runner maps that
+to wherever it left the sequence's previous sample.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ class HostInputs:
     block_tables: list[list[int]]  # ragged; padded by the runner
     sample_idx: list[int]  # flat index of the token whose logits are sampled, per sampling row
     sample_seq: list[int]  # batch index of each sampling row's sequence
+    sample_seq_ids: list[int]  # seq_id of each sampling row (where the runner will find it next step)
     carry_dst: list[int]  # flat input index to fill ...
-    carry_src: list[int]  # ... from this row of the previous step's samples
+    carry_seq: list[int]  # ... with this sequence's sample from the previous step
     temperature: list[float]
     top_k: list[int]
     top_p: list[float]
@@ -37,17 +40,30 @@ class HostInputs:
     max_seq_len: int
     decode_only: bool
 
+    @property
+    def all_greedy(self) -> bool:
+        return all(t == 0 for t in self.temperature)
+
+    @property
+    def has_suppress(self) -> bool:
+        return any(self.suppress)
+
+    @property
+    def sampler_variant(self) -> tuple[bool, bool, bool]:
+        """What selects a sampler code path (and a captured graph): greedy, filtered, suppressed ids."""
+        return (self.all_greedy, self.needs_filter, self.has_suppress)
+
 
 def build_host_inputs(plan: BatchPlan, block_size: int) -> HostInputs:
     if plan.decode_only:
         return _build_decode(plan, block_size)
-    h = HostInputs([], [], [], [0], [], [], [], [], [], [], [], [], [], [], [], [], [], [], [], False, 0, 0, True)
+    h = HostInputs([], [], [], [0], [], [], [], [], [], [], [], [], [], [], [], [], [], [], [], [], False, 0, 0, True)
     for sp in plan.seqs:
         n = len(sp.input_ids)
         base = len(h.input_ids)
-        if sp.carry_src >= 0:
+        if sp.carry:
             h.carry_dst.append(base + n - 1)
-            h.carry_src.append(sp.carry_src)
+            h.carry_seq.append(sp.seq_id)
         h.input_ids.extend(t if t >= 0 else 0 for t in sp.input_ids)
         table = sp.block_table
         for p in range(sp.start_pos, sp.start_pos + n):
@@ -63,6 +79,7 @@ def build_host_inputs(plan: BatchPlan, block_size: int) -> HostInputs:
         if sp.sample:
             h.sample_idx.append(base + n - 1)
             h.sample_seq.append(len(h.seq_lens) - 1)
+            h.sample_seq_ids.append(sp.seq_id)
             h.temperature.append(sp.temperature)
             h.top_k.append(sp.top_k)
             h.top_p.append(sp.top_p)
@@ -82,7 +99,7 @@ def _build_decode(plan: BatchPlan, bs: int) -> HostInputs:
     pos = [sp.start_pos for sp in seqs]
     samp = [i for i, sp in enumerate(seqs) if sp.sample]
     ss = [seqs[i] for i in samp]
-    carry = [(i, sp.carry_src) for i, sp in enumerate(seqs) if sp.carry_src >= 0]
+    carry = [(i, sp.seq_id) for i, sp in enumerate(seqs) if sp.carry]
     ids = [sp.input_ids[0] for sp in seqs]
     return HostInputs(
         input_ids=[t if t >= 0 else 0 for t in ids],
@@ -94,8 +111,9 @@ def _build_decode(plan: BatchPlan, bs: int) -> HostInputs:
         block_tables=[sp.block_table for sp in seqs],
         sample_idx=samp,
         sample_seq=samp,
+        sample_seq_ids=[sp.seq_id for sp in ss],
         carry_dst=[i for i, _ in carry],
-        carry_src=[c for _, c in carry],
+        carry_seq=[c for _, c in carry],
         temperature=[sp.temperature for sp in ss],
         top_k=[sp.top_k for sp in ss],
         top_p=[sp.top_p for sp in ss],

@@ -8,8 +8,8 @@ from rollout.config import EngineConfig
 
 
 class KVCache:
-    """Owns one tensor [layers, 2, num_blocks, block_size, Hkv, D]; ``layers`` is the per-layer view list
-    the runner holds (cleared on release, refilled on allocate, so the runner's reference stays valid)."""
+    """Owns one tensor [layers, 2, num_blocks, block_size, Hkv, D]. ``layers`` is the per-layer view list;
+    runners hold this object and read ``layers`` when they run, so release/allocate need no hand-back."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, device: torch.device,
                  dtype: torch.dtype, max_model_len: int) -> None:
@@ -50,14 +50,14 @@ class KVCache:
         m = self.model
         shape = (m.num_layers, 2, self.num_blocks, self.config.block_size, m.num_kv_heads, m.head_dim)
         self.storage = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.layers.extend(self.storage.unbind(0))
+        self.layers = list(self.storage.unbind(0))
 
     def release(self) -> int:
         """Free the memory; returns the bytes released."""
         if self.storage is None:
             return 0
         released = self.storage.numel() * self.storage.element_size()
-        self.layers.clear()
+        self.layers = []
         self.storage = None
         return released
 

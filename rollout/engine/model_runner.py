@@ -1,8 +1,6 @@
 """Runs a plan on the model: inputs -> forward -> sample. This one is the synchronous path that
-works on any device (the CPU in CI); the CUDA runner adds streams, IO slots and graphs on top.
-
-``execute`` returns a handle and ``collect`` reads it, so the engine loop is written once for both:
-here the handle is already complete when ``execute`` returns.
+works on any device (the CPU in CI); the CUDA runner adds streams, IO slots and graphs on top. Both
+build inputs with ``inputs.build_host_inputs`` and run ``runner.forward_and_sample``.
 """
 
 from __future__ import annotations
@@ -12,97 +10,74 @@ from dataclasses import dataclass
 import torch
 
 from rollout.engine.inputs import HostInputs, build_host_inputs
+from rollout.engine.kv_cache import KVCache
 from rollout.engine.plan import BatchPlan, SampleResult
-from rollout.layers.attention_metadata import AttentionMetadata
-from rollout.layers.sampler import SamplingTensors, sample
+from rollout.engine.runner import copy_blocks, forward_and_sample, make_metadata, make_sampling
+from rollout.layers.sampler import SamplingTensors
 
 
 @dataclass(slots=True)
-class PendingStep:
+class CpuPendingStep:
     plan: BatchPlan
-    tokens: torch.Tensor  # [num_sample_rows] int64 on the device (the carry-over source of the next step)
+    tokens: torch.Tensor  # [num_sample_rows] int64
     logprobs: torch.Tensor
+
+    def result(self) -> SampleResult:
+        return SampleResult(self.plan.step_id, self.tokens.tolist(), self.logprobs.tolist())
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
-                 attn_backend: object, device: torch.device) -> None:
-        self.model = model
-        self.kv_caches = kv_caches
-        self.block_size = block_size
-        self.attn_backend = attn_backend
-        self.device = device
-        self.vocab_size: int = model.vocab_size
-        self._last: PendingStep | None = None
+    def __init__(self, model: torch.nn.Module, kv: KVCache, block_size: int, attn_backend: object,
+                 device: torch.device) -> None:
+        self.model, self.kv, self.block_size = model, kv, block_size
+        self.attn_backend, self.device = attn_backend, device
+        self._last_tokens: torch.Tensor | None = None  # the previous step's samples ...
+        self._last_rows: dict[int, int] = {}  # ... and each sequence's row in them
 
     @torch.inference_mode()
-    def execute(self, plan: BatchPlan) -> PendingStep:
+    def execute(self, plan: BatchPlan) -> CpuPendingStep:
         h = build_host_inputs(plan, self.block_size)
-        self.copy_blocks(plan.block_copies)
+        layers = self.kv.layers
+        if plan.block_copies:
+            copy_blocks(layers, self._tensor([s for s, _ in plan.block_copies], torch.int64),
+                        self._tensor([d for _, d in plan.block_copies], torch.int64))
         input_ids = self._tensor(h.input_ids, torch.int64)
         if h.carry_dst:
-            assert self._last is not None, "carry-over without a previous step"
-            src = self._last.tokens[self._tensor(h.carry_src, torch.int64)]
-            input_ids[self._tensor(h.carry_dst, torch.int64)] = src
-        meta = self.build_metadata(h)
-        hidden = self.model(input_ids, meta.positions, self.kv_caches, meta, self.attn_backend)
-        logits = self.model.compute_logits(hidden[self._tensor(h.sample_idx, torch.int64)])
-        tokens, logprobs = sample(logits, self.sampling_tensors(h))
-        self._last = PendingStep(plan, tokens, logprobs)
-        return self._last
+            assert self._last_tokens is not None, "carry-over without a previous step"
+            rows = self._tensor([self._last_rows[s] for s in h.carry_seq], torch.int64)
+            input_ids[self._tensor(h.carry_dst, torch.int64)] = self._last_tokens[rows]
+        width = max(len(t) for t in h.block_tables)
+        tables = self._tensor([t + [0] * (width - len(t)) for t in h.block_tables], torch.int32)
+        meta = make_metadata(lambda name, dt: self._tensor(getattr(h, name), dt), tables,
+                             h.max_query_len, h.max_seq_len, h.decode_only, h)
+        out = forward_and_sample(self.model, layers, self.attn_backend, input_ids, meta,
+                                 self._tensor(h.sample_idx, torch.int64), self._sampling(h))
+        tokens, logprobs = out if out is not None else (torch.empty(0, dtype=torch.int64), torch.empty(0))
+        self._last_tokens = tokens
+        self._last_rows = {seq_id: i for i, seq_id in enumerate(h.sample_seq_ids)}
+        return CpuPendingStep(plan, tokens, logprobs)
+
+    def reset(self) -> None:
+        self._last_tokens, self._last_rows = None, {}
 
     def release(self) -> None:
-        """Drop every reference to the KV cache (engine.sleep)."""
-        self._last = None
+        self.reset()
 
-    def restore(self, kv_caches: list[torch.Tensor]) -> None:
-        self.kv_caches = kv_caches
+    def restore(self) -> None:
+        pass  # reads ``kv.layers`` every step
 
-    def collect(self, pending: PendingStep) -> SampleResult:
-        return SampleResult(pending.plan.step_id, pending.tokens.tolist(), pending.logprobs.tolist())
+    @property
+    def compute_seconds(self) -> float | None:
+        return None
 
-    # ---- shared helpers (also used by the CUDA runner) -------------------------------------
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
-            return
-        src = self._tensor([s for s, _ in copies], torch.int64)
-        dst = self._tensor([d for _, d in copies], torch.int64)
-        for cache in self.kv_caches:
-            cache[:, dst] = cache[:, src]
-
-    def build_metadata(self, h: HostInputs) -> AttentionMetadata:
-        width = max(len(t) for t in h.block_tables)
-        tables = [t + [0] * (width - len(t)) for t in h.block_tables]
-        return AttentionMetadata(
-            positions=self._tensor(h.positions, torch.int64),
-            slot_mapping=self._tensor(h.slot_mapping, torch.int64),
-            query_start_loc=self._tensor(h.query_start_loc, torch.int32),
-            seq_lens=self._tensor(h.seq_lens, torch.int32),
-            block_tables=self._tensor(tables, torch.int32),
-            max_query_len=h.max_query_len,
-            max_seq_len=h.max_seq_len,
-            decode_only=h.decode_only,
-            query_lens_host=h.query_lens,
-            seq_lens_host=h.seq_lens,
-        )
-
-    def sampling_tensors(self, h: HostInputs) -> SamplingTensors:
+    def _sampling(self, h: HostInputs) -> SamplingTensors | None:
+        if not h.sample_idx:
+            return None
         suppress = None
-        if any(h.suppress):
+        if h.has_suppress:
             width = max(len(ids) for ids in h.suppress)
             suppress = self._tensor([list(ids) + [-1] * (width - len(ids)) for ids in h.suppress], torch.int64)
-        return SamplingTensors(
-            temperature=self._tensor(h.temperature, torch.float32),
-            top_k=self._tensor(h.top_k, torch.int64),
-            top_p=self._tensor(h.top_p, torch.float32),
-            min_p=self._tensor(h.min_p, torch.float32),
-            seed=self._tensor(h.seed, torch.int64),
-            position=self._tensor(h.position, torch.int64),
-            mode=self._tensor(h.mode, torch.int64),
-            suppress_ids=suppress,
-            needs_filter=h.needs_filter,
-            all_greedy=all(t == 0 for t in h.temperature),
-        )
+        return make_sampling(lambda name, dt: self._tensor(getattr(h, name), dt), suppress, h.sampler_variant)

@@ -1,6 +1,8 @@
 """The one contract between scheduler and model runner: a plain batch plan in, sampled tokens out.
 
-No torch here; the runner turns a plan into device tensors.
+No torch here; the runner turns a plan into device tensors. The plan never says where a previous
+step's outputs live: a ``carry`` input is "this sequence's latest sample, still on the device", and
+each runner remembers where it put that sample.
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ class SeqPlan:
     """One sequence's share of a step: compute ``input_ids`` at positions ``start_pos ..``."""
 
     seq_id: int
-    input_ids: list[int]  # PLACEHOLDER (-1) where the token arrives by carry-over
+    input_ids: list[int]  # the last one is PLACEHOLDER (-1) when ``carry``
     start_pos: int  # num_computed_tokens before this step
     block_table: list[int]
     sample: bool  # draw a token from the logits of the last input token
-    carry_src: int = -1  # row of the previous step's samples that fills the placeholder input, or -1
+    carry: bool = False  # the last input is this sequence's sample from the previous step (runner fills it)
     # Sampling settings (only read when ``sample``).
     temperature: float = 1.0
     top_k: int = 0
@@ -29,10 +31,6 @@ class SeqPlan:
     suppress_ids: tuple[int, ...] = ()  # token ids masked out of sampling (EOS before min_tokens)
 
     @property
-    def num_new_tokens(self) -> int:
-        return len(self.input_ids)
-
-    @property
     def seq_len(self) -> int:
         return self.start_pos + len(self.input_ids)
 
@@ -42,11 +40,8 @@ class BatchPlan:
     step_id: int
     seqs: list[SeqPlan]
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
-    policy_version: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.input_ids) for s in self.seqs)
+    policy_version: int = 0  # the weights this step runs with: every token it samples is tagged with it
+    num_prompt_tokens: int = 0  # prompt tokens computed by this step (prefill work, for stats)
 
     @property
     def decode_only(self) -> bool:
@@ -55,6 +50,11 @@ class BatchPlan:
     @property
     def sample_seqs(self) -> list[SeqPlan]:
         return [s for s in self.seqs if s.sample]
+
+    @property
+    def num_context_tokens(self) -> int:
+        """Tokens whose KV this step's attention reads (its share of the byte floor)."""
+        return sum(s.seq_len for s in self.seqs)
 
 
 @dataclass(slots=True)

@@ -9,11 +9,13 @@ sequence is preempted by recompute, so the oldest always progresses and nothing 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.plan import BatchPlan, SampleResult, SeqPlan
 from rollout.engine.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus
+from rollout.engine.stop import check_stop
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,16 +25,24 @@ class SchedulerLimits:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager) -> None:
+    """Owns every request from admission to its end: plans steps, applies their samples, checks stops.
+
+    ``detokenize`` (ids -> text) is only needed for stop strings; it is an opaque callable, so no
+    tokenizer or torch is imported here.
+    """
+
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager,
+                 detokenize: Callable[[list[int]], str] | None = None) -> None:
         self.limits = limits
         self.block_manager = block_manager
+        self.detokenize = detokenize
         self.waiting: list[Sequence] = []  # sorted by (arrival, seq_id)
         self.running: list[Sequence] = []  # sorted by (arrival, seq_id)
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}
         self.num_preemptions = 0
+        self.num_generated_tokens = 0  # samples applied to a live sequence (late, dropped ones not counted)
         self._step_id = 0
-        self._prev_rows: dict[int, int] = {}  # seq_id -> sample row in the previous plan
 
     # ---- admission and removal -------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -60,13 +70,15 @@ class Scheduler:
         del self.seqs[seq.seq_id]
 
     def abort(self, request_id: str) -> Request | None:
+        """Finish every sample of the request with ``"abort"``; returns it (removed), or None if unknown."""
         request = self.requests.get(request_id)
         if request is not None:
             for seq in request.seqs:
                 self.finish(seq, "abort")
+            self._pop_finished(request_id)
         return request
 
-    def pop_finished(self, request_id: str) -> Request | None:
+    def _pop_finished(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
         if request is not None and request.finished:
             return self.requests.pop(request_id)
@@ -150,47 +162,72 @@ class Scheduler:
         self, chosen: list[tuple[Sequence, int]], copies: list[tuple[int, int]], policy_version: int
     ) -> BatchPlan:
         plans: list[SeqPlan] = []
-        rows: dict[int, int] = {}
+        num_prompt = 0
         for seq, n in chosen:
             start = seq.num_computed_tokens
             inputs = seq.token_ids[start : start + n]
-            carry = -1
-            if inputs[-1] == PLACEHOLDER:
-                carry = self._prev_rows[seq.seq_id]
+            carry = inputs[-1] == PLACEHOLDER
             assert n == 1 or PLACEHOLDER not in inputs[:-1], "only the newest token can be in flight"
             sample = start + n == seq.num_tokens
+            num_prompt += max(0, min(start + n, seq.num_prompt_tokens) - start)
             p = seq.params
             # The table is shared, not copied: runners read it before the next schedule() changes it.
             if sample:
                 plan = SeqPlan(seq.seq_id, inputs, start, seq.block_table, True, carry, p.temperature,
                                p.effective_top_k, p.top_p, p.min_p, seq.sample_seed, seq.num_output_tokens,
                                p.logprobs_mode, seq.stop_ids if seq.num_output_tokens < p.min_tokens else ())
-                rows[seq.seq_id] = len(rows)
                 seq.token_ids.append(PLACEHOLDER)
                 seq.num_inflight += 1
             else:
                 plan = SeqPlan(seq.seq_id, inputs, start, seq.block_table, False, carry)
             seq.num_computed_tokens = start + n
             plans.append(plan)
-        self._prev_rows = rows
         self._step_id += 1
-        return BatchPlan(self._step_id, plans, copies, policy_version)
+        return BatchPlan(self._step_id, plans, copies, policy_version, num_prompt)
 
-    def fill(self, plan: BatchPlan, result: SampleResult, policy_version: int) -> list[Sequence]:
-        """Put sampled tokens in their placeholders; returns the sequences that got one."""
-        updated = []
-        for sp, tok, lp in zip(plan.sample_seqs, result.token_ids, result.logprobs):
+    def update_from_output(self, plan: BatchPlan, result: SampleResult) -> list[Request]:
+        """Apply a step's samples: fill placeholders, tag each token with the plan's weights version,
+        check stops and free what finished. Returns the requests that finished (removed from here).
+
+        A sample for a sequence that finished meanwhile (an async late stop, an abort) is dropped.
+        """
+        assert result.step_id == plan.step_id, (result.step_id, plan.step_id)
+        finished: list[Request] = []
+        for sp, tok, lp in zip(plan.sample_seqs, result.token_ids, result.logprobs, strict=True):
             seq = self.seqs.get(sp.seq_id)
             if seq is None or seq.num_inflight == 0:
-                continue  # finished or aborted meanwhile: the late token is dropped
+                continue
             idx = len(seq.token_ids) - seq.num_inflight
             assert seq.token_ids[idx] == PLACEHOLDER
             seq.token_ids[idx] = tok
             seq.num_inflight -= 1
             seq.logprobs.append(lp)
-            seq.policy_versions.append(policy_version)
-            updated.append(seq)
-        return updated
+            seq.policy_versions.append(plan.policy_version)
+            self.num_generated_tokens += 1
+            stop = check_stop(seq, self.detokenize)
+            if stop is not None:
+                self.finish(seq, *stop)
+                request = self._pop_finished(seq.request_id)
+                if request is not None:
+                    finished.append(request)
+        return finished
+
+    def rollback(self) -> int:
+        """A step failed (its samples, and any in flight, are lost): drop every placeholder and send every
+        running sequence back to be recomputed from its known tokens. KV written by the lost steps may be
+        partial, so nothing is registered and the prefix cache is reset. Returns how many went back."""
+        for seq in self.running + self.waiting:
+            if seq.num_inflight:
+                del seq.token_ids[len(seq.token_ids) - seq.num_inflight :]
+                seq.num_inflight = 0
+        moved = list(self.running)
+        for seq in reversed(moved):
+            self.running.remove(seq)
+            self.block_manager.free(seq, register=False)
+            seq.status = SequenceStatus.WAITING
+            self._insert(self.waiting, seq)
+        self.block_manager.reset_prefix_cache()
+        return len(moved)
 
     def recompute_running(self) -> int:
         """The weights changed: every running sequence goes back to the queue with its tokens kept and

@@ -84,7 +84,6 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     prompt: str | None = None
-    arrival: int = 0
 
     @property
     def finished(self) -> bool:

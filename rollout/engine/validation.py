@@ -52,6 +52,12 @@ def to_token_ids(prompt: object, tokenizer: object | None, vocab_size: int) -> l
     return ids
 
 
+def check_request_id(request_id: object) -> str:
+    if not isinstance(request_id, str) or not request_id:
+        raise TypeError(f"request_id must be a non-empty str or None, got {request_id!r}")
+    return request_id
+
+
 def check_lengths(num_prompt: int, params: SamplingParams, max_model_len: int, max_kv_tokens: int) -> None:
     if num_prompt >= max_model_len:
         raise ValueError(f"prompt has {num_prompt} tokens; max_model_len is {max_model_len} (prompt must be shorter)")

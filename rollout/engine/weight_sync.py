@@ -1,7 +1,8 @@
 """All-or-nothing, in-place weight updates by Hugging Face parameter name.
 
 Two passes over the source: the first validates everything (names and shapes on the host,
-finiteness where the data lives), the second copies. A mapping, a list or any other re-iterable
+finiteness where the data lives, after the cast to the engine's dtype), the second copies. A
+mapping, a list or any other re-iterable
 (e.g. a view over a trainer's live parameters) is walked twice and never copied, so no second copy
 of the model is held; a one-shot iterator (``model.named_parameters()``) is first turned into a list
 of references. GPU tensors are checked on the GPU with a single sync; CPU tensors bound for a GPU
@@ -66,12 +67,18 @@ class WeightSync:
                     tensor, non_blocking=tensor.is_pinned())  # checked in order on this stream
                 if len(flags) % 64 == 63:
                     torch.cuda.synchronize(self.device)  # bound the staged work queued ahead of the checks
+            if not is_ignored(name):
+                dtype = self.mapper.resolve(name)[0].dtype
+                if tensor.dtype != dtype:  # finite as sent is not enough: 1e6 overflows float16
+                    tensor = tensor.to(dtype)
             flags.append(torch.isfinite(tensor).all().to(self.device))
+        if not seen:
+            raise ValueError("update_weights got no tensors; pass the model's named parameters (name, tensor)")
         if flags:
             for (name, _), good in zip(seen, torch.stack(flags).tolist()):  # the one sync
                 if not good:
-                    raise ValueError(f"weight {name!r} has non-finite values (nan/inf); update rejected, "
-                                     "nothing changed")
+                    raise ValueError(f"weight {name!r} has values that are not finite (nan/inf) in the engine's "
+                                     "dtype (or overflow it); update rejected, nothing changed")
         return seen
 
 

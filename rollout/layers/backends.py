@@ -24,6 +24,11 @@ def make_attention_backend(name: str, device: torch.device, block_size: int = 16
             name = "triton"
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "flash_attn" and not flash_attn_available():
+        raise ValueError("attention_backend='flash_attn' but the flash-attn package is not installed")
+    if name in ("triton", "flash_attn") and device.type != "cuda":
+        raise ValueError(f"attention_backend={name!r} needs a CUDA device, got {device.type!r}; "
+                         "use 'torch' or 'auto' on the CPU")
     if name == "triton":
         from rollout.layers.triton_backend import TritonAttentionBackend
 

@@ -44,10 +44,6 @@ class WeightMapper:
         """Every name accepted, ``lm_head.weight`` included when tied (it aliases the embedding)."""
         return list(self._targets)
 
-    def targets(self) -> dict[str, Target]:
-        """Name -> (parameter, rows); several names share a target when weights are tied."""
-        return dict(self._targets)
-
     def resolve(self, hf_name: str) -> Target:
         """(our parameter, dim-0 rows or None for the whole tensor); KeyError for an unknown name."""
         try:

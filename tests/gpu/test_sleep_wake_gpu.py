@@ -54,7 +54,7 @@ def test_sleep_releases_memory_and_wake_restores_results(level):
     prompts = _prompts(12)
     params = [PARAMS[i % 2] for i in range(len(prompts))]
     before = _results(eng.generate(prompts, params))
-    kv = eng._kv_storage.numel() * eng._kv_storage.element_size()
+    kv = eng.get_stats().kv_cache_bytes
     weights = sum(p.numel() * p.element_size() for p in eng.model.parameters())
     awake = _allocated()
     reported = eng.sleep(level=level)
@@ -64,6 +64,7 @@ def test_sleep_releases_memory_and_wake_restores_results(level):
     print(f"sleep(level={level}): memory_allocated fell by {released / MiB:.1f} MiB "
           f"(engine reports {reported / MiB:.1f} MiB; KV cache {kv / MiB:.1f} MiB, weights {weights / MiB:.1f} MiB)")
     assert released >= 0.99 * expected and reported >= expected
+    assert eng.get_stats().kv_cache_bytes == 0
     eng.wake_up()
     print(f"wake_up: memory_allocated back to {(_allocated() - asleep) / MiB:.1f} MiB above the sleeping level")
     assert _results(eng.generate(prompts, params)) == before
@@ -119,7 +120,12 @@ def test_in_flight_push_switches_versions_on_gpu(async_mode):
 
 
 def test_bench_weight_push_on_gpu():
-    eng = _engine(_hf(0))
-    result = bench_weight_push(eng, _hf(1), repeats=2)
+    eng, new = _engine(_hf(0)), _hf(1)
+    prompts = _prompts(8, seed=3)
+    eng.generate(prompts, PARAMS[0])  # graphs captured under the old weights
+    result = bench_weight_push(eng, new, repeats=2)
     print({k: round(v, 4) for k, v in result.items()})
     assert result["device_s"] > 0 and result["pinned_host_s"] > 0
+    # What counts: after the pushes the engine serves the new model, exactly as one built from it.
+    params = [PARAMS[i % 2] for i in range(len(prompts))]
+    assert _results(eng.generate(prompts, params)) == _results(_engine(new).generate(prompts, params))

@@ -1,0 +1,95 @@
+"""The contract every model runner implements, and the device work both runners share.
+
+The engine calls ``execute(plan)`` and later ``pending.result()`` (vLLM's ``get_output()``
+pattern): the synchronous CPU runner's pending step is complete when it is returned, the CUDA
+runner's completes when its device-to-host copy lands. Carry-over is the runner's own business: a
+plan only says "this input is the sequence's previous sample", and the runner remembers where it put
+each sequence's last sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from rollout.engine.inputs import HostInputs
+from rollout.engine.plan import BatchPlan, SampleResult
+from rollout.layers.attention_metadata import AttentionMetadata
+from rollout.layers.sampler import SamplingTensors, sample
+
+SAMPLING_FIELDS = (("temperature", torch.float32), ("top_k", torch.int64), ("top_p", torch.float32),
+                   ("min_p", torch.float32), ("seed", torch.int64), ("position", torch.int64),
+                   ("mode", torch.int64))
+METADATA_FIELDS = (("positions", torch.int64), ("slot_mapping", torch.int64),
+                   ("query_start_loc", torch.int32), ("seq_lens", torch.int32))
+
+
+class PendingStep(Protocol):
+    plan: BatchPlan
+
+    def result(self) -> SampleResult:
+        """Wait for the step's samples to reach the host and return them (once)."""
+        ...
+
+
+class Runner(Protocol):
+    def execute(self, plan: BatchPlan) -> PendingStep:
+        """Queue the plan's work; in async mode this returns before the device finishes."""
+        ...
+
+    def reset(self) -> None:
+        """Forget every sequence's last sample (a step failed): the next plan carries nothing over."""
+        ...
+
+    def release(self) -> None:
+        """Drop every reference to the KV cache's memory (engine.sleep)."""
+        ...
+
+    def restore(self) -> None:
+        """The KV cache was allocated again (engine.wake_up)."""
+        ...
+
+    @property
+    def compute_seconds(self) -> float | None:
+        """Device time of every collected step so far (None where it is not measured: the CPU)."""
+        ...
+
+
+# ---- shared device work ---------------------------------------------------------------------
+def copy_blocks(kv_layers: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy-on-write: duplicate whole KV blocks ``src -> dst`` in every layer."""
+    for cache in kv_layers:
+        cache[:, dst] = cache[:, src]
+
+
+def make_metadata(field: Callable[[str, torch.dtype], torch.Tensor], block_tables: torch.Tensor,
+                  max_query_len: int, max_seq_len: int, decode_only: bool,
+                  h: HostInputs | None = None) -> AttentionMetadata:
+    """Attention metadata from the step's per-token / per-sequence tensors, however a runner stores them."""
+    f = {name: field(name, dt) for name, dt in METADATA_FIELDS}
+    return AttentionMetadata(
+        positions=f["positions"], slot_mapping=f["slot_mapping"], query_start_loc=f["query_start_loc"],
+        seq_lens=f["seq_lens"], block_tables=block_tables, max_query_len=max_query_len,
+        max_seq_len=max_seq_len, decode_only=decode_only,
+        query_lens_host=h.query_lens if h is not None else None,
+        seq_lens_host=h.seq_lens if h is not None else None,
+    )
+
+
+def make_sampling(field: Callable[[str, torch.dtype], torch.Tensor], suppress: torch.Tensor | None,
+                  variant: tuple[bool, bool, bool]) -> SamplingTensors:
+    greedy, needs_filter, _ = variant
+    return SamplingTensors(**{name: field(name, dt) for name, dt in SAMPLING_FIELDS},
+                           suppress_ids=suppress, needs_filter=needs_filter, all_greedy=greedy)
+
+
+def forward_and_sample(model: torch.nn.Module, kv_layers: list[torch.Tensor], attn_backend: object,
+                       input_ids: torch.Tensor, meta: AttentionMetadata, sample_idx: torch.Tensor,
+                       sampling: SamplingTensors | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The model over the flattened batch, then the sampler over the rows that sample (None: no row does)."""
+    hidden = model(input_ids, meta.positions, kv_layers, meta, attn_backend)
+    if sampling is None:
+        return None
+    return sample(model.compute_logits(hidden[sample_idx]), sampling)
