@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
 
-from rollout.engine.engine import EngineStats
+from rollout.engine.stats import EngineStats
 from rollout.outputs import RequestOutput
 from rollout.sampling_params import SamplingParams
 
