@@ -183,3 +183,14 @@ def test_engine_view_lets_the_job_actor_step_a_pool(pool) -> None:
     assert _tokens([got[i] for i in ids]) == _tokens(pool.generate(prompts, params))
     after = view.get_stats()
     assert after.num_generated_tokens > before.num_generated_tokens and after.policy_version == pool.policy_version
+
+
+def test_a_replica_found_dead_at_a_push_is_replaced_and_the_push_lands_everywhere(pool) -> None:
+    pool.ray.kill(pool.members[1].actor, no_restart=True)  # dies between rounds, unnoticed
+    trainer = make_tiny_hf_model("llama", seed=10)
+    assert pool.update_weights(trainer.named_parameters(), version=10) == 10
+    assert pool.failures[-1]["replica"] == 1
+    assert [r["policy_version"] for r in pool.stats()["replicas"]] == [10, 10]
+    prompt, greedy = [9, 8, 7], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    out = pool.ray.get(pool.members[1].actor.run.remote("check-new", prompt, greedy))
+    assert_matches_hf(trainer, prompt, out.outputs[0], temperature=0.0, atol=1e-4)

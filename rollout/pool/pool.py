@@ -32,6 +32,7 @@ from typing import Any
 from rollout.engine.validation import normalize_params
 from rollout.outputs import RequestOutput
 from rollout.pool import ray_setup
+from rollout.pool import transfer as pool_transfer
 from rollout.pool.dispatch import Dispatcher, Slot
 from rollout.pool.replica import Replica
 from rollout.pool.transfer import PoolTransfer
@@ -165,13 +166,31 @@ class RolloutPool:
         return p if p.seed is not None else replace(p, seed=self._rng.getrandbits(63))
 
     def _validate(self, prompts: list[Any], params: list[SamplingParams]) -> None:
-        """Refuse a bad prompt before anything is dispatched (the first active replica checks all)."""
-        self.wait_ready()
-        m = next(m for m in self.members if m.state == "active")
-        try:
-            self.ray.get(m.actor.validate.remote(prompts, params))
-        except self.ray.exceptions.RayTaskError as e:
-            raise e.as_instanceof_cause() from None
+        """Refuse a bad prompt before anything is dispatched (an active replica checks them all)."""
+        for _ in range(len(self.members) + 1):
+            self.wait_ready()
+            i, m = next((i, m) for i, m in enumerate(self.members) if m.state == "active")
+            try:
+                self.ray.get(m.actor.validate.remote(prompts, params))
+                return
+            except self.ray.exceptions.RayActorError:
+                with self._lock:
+                    self._replace(i, "actor died (found idle)", [])
+            except self.ray.exceptions.RayTaskError as e:
+                raise e.as_instanceof_cause() from None
+        raise RuntimeError("every replica died while checking the prompts")
+
+    def _reap_dead(self) -> list[int]:
+        """Replace every active replica whose actor no longer answers; their indices."""
+        probes = [(i, m.actor.ready.remote()) for i, m in enumerate(self.members) if m.state == "active"]
+        dead = []
+        for i, ref in probes:
+            try:
+                self.ray.get(ref, timeout=60)
+            except self.ray.exceptions.RayActorError:
+                dead.append(i)
+                self._replace(i, "actor died (found idle)", [])
+        return dead
 
     def _run_round(self, prompts: list[Any], params: list[SamplingParams]) -> Iterator[tuple[int, RequestOutput]]:
         ray = self.ray
@@ -236,9 +255,19 @@ class RolloutPool:
     def update_weights(self, named_tensors: Any, version: int | None = None, recompute_running: bool = True,
                        bucket_bytes: int | None = None) -> int:
         """Broadcast (name, tensor) pairs from this process to every replica; returns the shared new version."""
+        pairs = pool_transfer.pairs(named_tensors)  # references, walked by each attempt
         with self._lock:
-            self.wait_ready()
-            new = self.transfer.push(named_tensors, version, recompute_running, bucket_bytes)
+            for attempt in (0, 1):
+                self.wait_ready()
+                try:
+                    new = self.transfer.push(pairs, version, recompute_running, bucket_bytes)
+                    break
+                except self.ray.exceptions.RayActorError:
+                    # A replica died before or during the push; every other one kept its old weights.
+                    # Replace it (the replacement copies a survivor's state) and push once more.
+                    self.transfer.close()
+                    if not self._reap_dead() or attempt:
+                        raise
             self.policy_version = new
             return new
 

@@ -81,11 +81,11 @@ class PoolTransfer:
         self.members, self.push_id = members, 0
         return self.group
 
-    def push(self, named_tensors: Any, version: int | None, recompute_running: bool,
+    def push(self, pairs: list[tuple[str, torch.Tensor]], version: int | None, recompute_running: bool,
              bucket_bytes: int | None) -> int:
+        """Broadcast ``pairs`` (from ``pairs(...)``) to every active replica; the version they all reached."""
         ray, pool = self.pool.ray, self.pool
         bucket_bytes = bucket_bytes or BUCKET_BYTES
-        pairs = _pairs(named_tensors)
         specs = [TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in pairs]
         if not specs:
             raise ValueError("a weight push needs at least one tensor")
@@ -111,6 +111,8 @@ class PoolTransfer:
             send_weights(group, specs, pairs, bucket_bytes)
         except BaseException:
             self.close()  # the receivers fail fast on the closed connection and keep their old weights
+            ray.wait(refs, num_returns=len(refs), timeout=30)
+            self._raise_first(refs)  # a replica's death (RayActorError) says why the transport broke
             raise
         versions = ray.get(refs)
         if len(set(versions)) != 1:
@@ -121,14 +123,19 @@ class PoolTransfer:
     def _raise_first(self, refs: list[Any]) -> None:
         """Re-raise a replica's own refusal (ValueError naming the tensor) when it has one."""
         ray = self.pool.ray
+        errors: list[BaseException] = []
         for ref in ray.wait(refs, num_returns=len(refs), timeout=0)[0]:
             try:
                 ray.get(ref)
+            except ray.exceptions.RayActorError:
+                raise  # a death explains the others' broken transport: it comes first
             except ray.exceptions.RayTaskError as e:
-                raise e.as_instanceof_cause() from None
+                errors.append(e.as_instanceof_cause())
+        if errors:
+            raise errors[0]
 
 
-def _pairs(named_tensors: Any) -> list[tuple[str, torch.Tensor]]:
+def pairs(named_tensors: Any) -> list[tuple[str, torch.Tensor]]:
     """References to the tensors (walked twice: metadata, then data), never copies."""
     if isinstance(named_tensors, torch.nn.Module):
         named_tensors = named_tensors.named_parameters()  # plain HF names; trainer_hooks.push_weights normalises
