@@ -152,7 +152,7 @@ def _load_engine(job: JobConfig, model_dir: Path, tokenizer: Any) -> Any:
     from rollout import Engine
 
     options = dataclasses.asdict(job.engine)
-    if job.pool.replicas > 1:
+    if getattr(job, "pool", None) is not None and job.pool.replicas > 1:  # the server's config has no pool
         return _load_pool(job, model_dir, tokenizer, options)
     try:
         return Engine.from_pretrained(
