@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -186,6 +187,44 @@ def test_openai_client_raises_its_own_errors(env):
         env.client.completions.create(model=env.model, prompt=[5] * 600, max_tokens=2)
     with pytest.raises(openai.NotFoundError):
         env.client.completions.create(model="nope", prompt=[1], max_tokens=2)
+
+
+def _metric(env, name: str) -> float:
+    text = env.server.get("/metrics")[1]
+    return float(next(x for x in text.splitlines() if x.startswith(name + " ")).split()[1])
+
+
+def _running(env) -> float:
+    return _metric(env, "rollout_running_seqs")
+
+
+def _waiting(env) -> float:
+    return _metric(env, "rollout_waiting_seqs")
+
+
+def test_clients_that_go_away_free_their_sequences(env):
+    import http.client
+    from urllib.parse import urlparse
+
+    url = urlparse(env.server.url)
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True, "stream": True})
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")  # tokens are flowing
+    assert env.server.post("/pause?mode=keep", "")[0] == 200  # no more tokens: only aborts can free them now
+    try:
+        quick = openai.OpenAI(base_url=env.server.url + "/v1", api_key="none", max_retries=0, timeout=1.0)
+        with pytest.raises(openai.APITimeoutError):  # a waiting client gives up
+            quick.completions.create(model=env.model, prompt=[4, 5, 6], max_tokens=400)
+        conn.close()  # a streaming client hangs up
+        deadline = time.monotonic() + 30
+        while _running(env) + _waiting(env) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _running(env) + _waiting(env) == 0
+    finally:
+        assert env.server.post("/resume", "")[0] == 200
+    assert len(env.client.completions.create(model=env.model, prompt=[1, 2], max_tokens=3).choices) == 1
 
 
 def test_metrics_are_prometheus_text(env):

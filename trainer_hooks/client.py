@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from rollout.engine.transfer_group import PushRejected, TransferError, TransferGroup, await_verdicts
+from rollout.engine.transfer_group import PushRejected, TransferError, TransferGroup, await_verdicts, cuda_device
 from rollout.engine.validation import normalize_params
 from rollout.engine.weight_transfer import BUCKET_BYTES, TensorSpec, dtype_name, send_weights
 from rollout.outputs import CompletionOutput, RequestOutput
@@ -143,7 +143,7 @@ class RolloutClient:
                              master_port: int = 0, timeout_s: float | None = None) -> TransferGroup:
         """Host a 2-rank group (trainer = rank 0) and have the server join it: NCCL on CUDA, gloo on CPU."""
         self.close_weight_transfer()
-        device = torch.device(device)
+        device = cuda_device(device)  # the caller's current CUDA device, not the worker thread's
         address = master_address or self._local_address()
         timeout = timeout_s or self.timeout_s
         joined: list[Future] = []

@@ -35,7 +35,8 @@ class TransferGroup:
                  timeout_s: float, master_address: str) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-        self.store, self.rank, self.world_size, self.device = store, rank, world_size, torch.device(device)
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.device = cuda_device(device)
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.port = store.port
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -97,6 +98,15 @@ class TransferGroup:
                     pass
         self.pg = None  # type: ignore[assignment]
         self.store = None  # type: ignore[assignment]
+
+
+def cuda_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index: a bare ``cuda`` means this thread's current device, resolved now (worker
+    threads start on device 0, whatever the thread that asked had set)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def _verdict_key(push_id: int, rank: int) -> str:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rollout.engine.transfer_group import PushRejected, TransferError, TransferGroup, post_verdict
+from rollout.engine.transfer_group import PushRejected, TransferError, TransferGroup, cuda_device, post_verdict
 
 BUCKET_BYTES = 1 << 30
 ALIGN = 256  # byte alignment of every tensor in the stream (views of the staging buffer need it)
@@ -202,7 +202,7 @@ class WeightReceiver:
     """
 
     def __init__(self, device: torch.device | str, check: Callable[[str, torch.Tensor], None]) -> None:
-        self.device, self.check = torch.device(device), check
+        self.device, self.check = cuda_device(device), check  # built in the engine's thread: index resolved
         self.group: TransferGroup | None = None
         self._staging: torch.Tensor | None = None
         self._pushes = 0

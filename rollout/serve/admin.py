@@ -132,8 +132,10 @@ async def _apply(st: ServerState, source: Any, version: int | None, recompute: b
     try:
         new = await st.run(lambda: st.engine.update_weights(source, version=version, recompute_running=recompute))
     except (TypeError, ValueError, KeyError) as e:
-        reason = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() adds quotes
-        raise APIError(400, f"weight update rejected, nothing changed: {reason}") from None
+        reason = str(e.args[0] if isinstance(e, KeyError) and e.args else e)  # KeyError's str() adds quotes
+        if "nothing changed" not in reason:
+            reason = f"weight update rejected, nothing changed: {reason}"
+        raise APIError(400, reason) from None
     seconds = time.perf_counter() - t0
     st.counters["weight_updates"] += 1
     st.counters["last_update_s"] = seconds

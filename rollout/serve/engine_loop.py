@@ -55,6 +55,17 @@ class Waiter:
             self._post(self.stream.put_nowait, (self.tag, out, False))
 
 
+def _cuda_index(device: Any) -> int | None:
+    """The CUDA device index an engine on ``device`` runs on (``cuda`` alone means the current one)."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    if device.index is not None:
+        return device.index
+    import torch
+
+    return torch.cuda.current_device()
+
+
 def _set(fut: asyncio.Future, value: Any, exc: BaseException | None) -> None:
     if fut.done():
         return
@@ -97,6 +108,7 @@ class EngineLoop:
         self._stopping = False
         self.error: BaseException | None = None  # set when a step raised: the server is unhealthy
         self.rate = _Rate()
+        self._cuda_index = _cuda_index(engine.device)  # resolved here, in the thread that built the engine
         self._thread = threading.Thread(target=self._run, name="rollout-engine-loop", daemon=True)
 
     # ---- control (any thread) ------------------------------------------------------------------------
@@ -168,6 +180,10 @@ class EngineLoop:
                 and self.engine.has_unfinished_requests())
 
     def _run(self) -> None:
+        if self._cuda_index is not None:
+            import torch
+
+            torch.cuda.set_device(self._cuda_index)  # the current device is per thread; kernels launch on it
         while True:
             with self._cv:
                 while not (self._stopping or self._commands or self._incoming or self._aborts or self._runnable()):
