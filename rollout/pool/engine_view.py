@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from dataclasses import fields
 from typing import Any
 
 from rollout.engine.stats import EngineStats
@@ -84,15 +83,4 @@ class PoolEngine:
         return self.pool.update_weights(named_tensors, version=version, recompute_running=recompute_running)
 
     def get_stats(self) -> EngineStats:
-        replicas = [r for r in self.pool.stats()["replicas"] if r.get("alive", True)]
-        k = max(len(replicas), 1)
-        summed = {f.name: sum(r[f.name] or 0 for r in replicas) for f in fields(EngineStats)
-                  if f.name not in ("kv_cache_usage", "gpu_busy_frac", "gpu_compute_s", "policy_version")}
-        busy = [r["gpu_busy_frac"] for r in replicas if r["gpu_busy_frac"] is not None]
-        compute = [r["gpu_compute_s"] for r in replicas if r["gpu_compute_s"] is not None]
-        return EngineStats(
-            kv_cache_usage=sum(r["kv_cache_usage"] for r in replicas) / k,
-            gpu_busy_frac=sum(busy) / len(busy) if busy else None,
-            gpu_compute_s=sum(compute) / len(compute) if compute else None,  # mean: a round's busy stays <= 1
-            policy_version=self.pool.policy_version, **summed,
-        )
+        return self.pool.get_stats()

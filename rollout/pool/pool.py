@@ -26,9 +26,10 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from rollout.engine.stats import EngineStats
 from rollout.engine.validation import normalize_params
 from rollout.outputs import RequestOutput
 from rollout.pool import ray_setup
@@ -292,8 +293,21 @@ class RolloutPool:
         }
         return {"pool": pooled, "replicas": replicas, "last_round": self.last_round}
 
-    def get_stats(self) -> dict[str, Any]:
-        return self.stats()
+    def get_stats(self) -> EngineStats:
+        """``Engine.get_stats``'s shape over the pool: counters summed, KV usage and GPU busy averaged."""
+        replicas = [r for r in self.stats()["replicas"] if r.get("alive", True)]
+        k = max(len(replicas), 1)
+        averaged = ("kv_cache_usage", "gpu_busy_frac", "gpu_compute_s", "policy_version")
+        summed = {f.name: sum(r.get(f.name) or 0 for r in replicas) for f in fields(EngineStats)
+                  if f.name not in averaged}
+        busy = [r["gpu_busy_frac"] for r in replicas if r.get("gpu_busy_frac") is not None]
+        compute = [r["gpu_compute_s"] for r in replicas if r.get("gpu_compute_s") is not None]
+        return EngineStats(
+            kv_cache_usage=sum(r["kv_cache_usage"] for r in replicas) / k,
+            gpu_busy_frac=sum(busy) / len(busy) if busy else None,
+            gpu_compute_s=sum(compute) / len(compute) if compute else None,  # mean: a window's busy stays <= 1
+            policy_version=self.policy_version, **summed,
+        )
 
     def shutdown(self) -> None:
         self.transfer.close()
