@@ -157,3 +157,13 @@ def test_reward_lookup() -> None:
     assert last_integer("a 3 b 44") == 44
     with pytest.raises(ValueError, match="rollout.reward='nope'"):
         get_reward_fn("nope")
+
+
+def test_pool_group_is_validated() -> None:
+    from rollout.job.config import JobConfig, PoolConfig
+
+    assert JobConfig.from_dict({"output_dir": "x"}).pool == PoolConfig(replicas=1, address="local", gpus_per_replica=1)
+    assert JobConfig.from_dict({"output_dir": "x", "pool": {"replicas": 2}}).pool.replicas == 2
+    for bad in ({"replicas": 0}, {"address": ""}, {"gpus_per_replica": -1}, {"gpu": 1}):
+        with pytest.raises(ValueError, match="pool"):
+            JobConfig.from_dict({"output_dir": "x", "pool": bad})

@@ -37,6 +37,7 @@ RESUME_FREE_KEYS = (
     "rollout.torch_threads",
     "model.cache_dir",
     "logger",
+    "pool",
 )
 
 
@@ -199,6 +200,20 @@ class LoggerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolConfig:
+    replicas: int = 1  # 1 = the in-process engine (no Ray); more = a RolloutPool of Ray actors
+    address: str = "local"  # local = start Ray on this machine; else a Ray cluster address to join
+    gpus_per_replica: float = 1  # GPUs each replica's actor reserves (0 on a CPU-only machine)
+
+    def __post_init__(self) -> None:
+        check_int("pool.replicas", self.replicas, lo=1)
+        check_str("pool.address", self.address)
+        if isinstance(self.gpus_per_replica, bool) or not isinstance(self.gpus_per_replica, (int, float)) \
+                or self.gpus_per_replica < 0:
+            fail("pool.gpus_per_replica", self.gpus_per_replica, "a number >= 0")
+
+
+@dataclass(frozen=True, slots=True)
 class JobConfig:
     output_dir: str
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -207,6 +222,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
 
     def __post_init__(self) -> None:
         check_str("output_dir", self.output_dir)
@@ -228,6 +244,7 @@ class JobConfig:
             data=_section(DataConfig, "data", top.get("data") or {}),
             rollout=_section(RolloutConfig, "rollout", top.get("rollout") or {}),
             logger=LoggerConfig(**logger_raw),
+            pool=_section(PoolConfig, "pool", top.get("pool") or {}),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -95,12 +95,26 @@ def load_engine(job: JobConfig, model_path: Path, tokenizer: Any) -> Any:
     from rollout import Engine
 
     options = dataclasses.asdict(job.engine)
+    if getattr(job, "pool", None) is not None and job.pool.replicas > 1:  # the server's config has no pool
+        return load_pool(job, model_path, tokenizer, options)
     try:
         return Engine.from_pretrained(
             str(model_path), dtype=job.model.dtype, device=job.model.device, tokenizer=tokenizer, **options
         )
     except (ValueError, KeyError, OSError) as e:  # e.g. an architecture the engine lacks, a missing tensor
         raise ValueError(f"cannot load the model in {str(model_path)!r}: {e}") from None
+
+
+def load_pool(job: JobConfig, model_path: Path, tokenizer: Any, options: dict[str, Any]) -> Any:
+    """``pool.replicas`` Ray actors behind the engine's step surface (each loads the checkpoint itself)."""
+    from rollout.pool import EngineFactory
+    from rollout.pool.engine_view import PoolEngine
+    from rollout.pool.pool import RolloutPool
+
+    factory = EngineFactory(str(model_path), job.model.dtype, job.model.device, tokenizer, options)
+    pool = RolloutPool(job.pool.replicas, factory, address=job.pool.address,
+                       gpus_per_replica=job.pool.gpus_per_replica, torch_threads=job.rollout.torch_threads)
+    return PoolEngine(pool)
 
 
 def prompt_limits(engine: Any) -> PromptLimits:

@@ -1,0 +1,319 @@
+"""``RolloutPool``: N Ray actors, each owning an ``Engine``, behind ``Engine.generate``'s shape.
+
+    pool = RolloutPool(2, EngineFactory("Qwen/Qwen2.5-1.5B", dtype="bfloat16"), gpus_per_replica=1)
+    outs = pool.generate(prompts, SamplingParams(n=8, max_tokens=512))   # list[RequestOutput], input order
+    pool.update_weights(model.named_parameters(), version=step)         # broadcast to every replica
+
+Work is handed out group by group as replicas free up (``dispatch.Dispatcher``). A request without a
+seed gets one from the pool's own generator before it is dispatched, so its tokens do not depend on
+which replica runs it, and a group resubmitted after a replica died comes back with the same tokens.
+
+Faults: a replica whose actor dies mid-round (``ray.kill``, a crashed process, a lost node) has its
+unfinished groups put back at the head of the queue for the others; a replacement actor starts in the
+background, copies a survivor's weights and version (``Replica.export_state``) and only then takes work.
+The round's ``last_round`` metrics name the failed replica and the resubmitted groups.
+
+Weights: the process that calls ``update_weights`` (the trainer) is rank 0 of a ``TransferGroup`` and
+the replicas are ranks 1..N (gloo on CPU, NCCL on GPUs); the bytes travel as ``weight_transfer``'s
+flat buckets and each replica applies them with ``Engine.update_weights``, the server's code path. No
+group is dispatched while a push is in flight, so every replica is at the same ``policy_version``
+before any takes new work.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from rollout.engine.stats import EngineStats
+from rollout.engine.validation import normalize_params
+from rollout.outputs import RequestOutput
+from rollout.pool import ray_setup
+from rollout.pool import transfer as pool_transfer
+from rollout.pool.dispatch import Dispatcher, Slot
+from rollout.pool.replica import Replica
+from rollout.pool.transfer import PoolTransfer
+from rollout.sampling_params import SamplingParams
+
+
+@dataclass
+class _Member:
+    """One replica slot: its current actor (replaced after a death) and where it stands."""
+
+    actor: Any = None
+    generation: int = 0
+    state: str = "starting"  # starting -> catching_up -> active; dead while its replacement is created
+    pending: Any = None  # ObjectRef of ready() or load_state() while starting / catching up
+    capacity: int = 0
+
+
+class RolloutPool:
+    def __init__(self, replicas: int, engine_factory: Callable[[], Any], address: str = "local",
+                 gpus_per_replica: float = 0, cpus_per_replica: float = 1, max_inflight_seqs: int | None = None,
+                 seed: int = 0, transfer_timeout_s: float = 600.0, start_timeout_s: float = 600.0,
+                 torch_threads: int | None = None) -> None:
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
+        if not callable(engine_factory):
+            raise TypeError(f"engine_factory must be a callable returning an Engine, got {engine_factory!r}")
+        if max_inflight_seqs is not None and (not isinstance(max_inflight_seqs, int) or max_inflight_seqs < 1):
+            raise ValueError(f"max_inflight_seqs must be an int >= 1 or None, got {max_inflight_seqs!r}")
+        self.ray = ray_setup.init(address, num_cpus=replicas * cpus_per_replica + 1)
+        self.address = address
+        self.engine_factory, self.torch_threads = engine_factory, torch_threads
+        self.max_inflight_seqs = max_inflight_seqs
+        self.start_timeout_s = start_timeout_s
+        self._actor_cls = self.ray.remote(Replica).options(
+            num_cpus=cpus_per_replica, num_gpus=gpus_per_replica, max_restarts=0, max_concurrency=1000)
+        self._rng = random.Random(seed)
+        self._lock = threading.RLock()  # dispatch vs weight pushes
+        self._round = 0
+        self.policy_version = 0
+        self.last_round: dict[str, Any] = {}
+        self.failures: list[dict[str, Any]] = []  # every replica death seen, all rounds
+        self.members = [self._start(i, _Member()) for i in range(replicas)]
+        self.transfer = PoolTransfer(self, transfer_timeout_s)
+        self.wait_ready()
+
+    # ---- membership ------------------------------------------------------------------------------
+    def _start(self, index: int, member: _Member) -> _Member:
+        member.actor = self._actor_cls.remote(self.engine_factory, index, self.torch_threads)
+        member.generation += 1
+        member.state, member.pending = "starting", member.actor.ready.remote()
+        return member
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Block until every replica is active (started and at the pool's weights)."""
+        deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
+        while any(m.state != "active" for m in self.members):
+            pending = [m.pending for m in self.members if m.pending is not None]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replicas not ready within {timeout_s or self.start_timeout_s} s: "
+                                   f"{[m.state for m in self.members]}")
+            self.ray.wait(pending, num_returns=1, timeout=1.0)
+            self._advance_members()
+
+    def _advance_members(self) -> None:
+        """Move starting / catching-up replicas on when their pending call has answered (never blocks)."""
+        with self._lock:
+            for i, m in enumerate(self.members):
+                if m.pending is None or not self.ray.wait([m.pending], timeout=0)[0]:
+                    continue
+                try:
+                    answer = self.ray.get(m.pending)
+                except self.ray.exceptions.RayActorError:
+                    self._replace(i, "died while starting", [])
+                    continue
+                m.pending = None
+                if m.state == "starting":
+                    # Default: a running batch plus one batch waiting inside the engine, so a slot freed
+                    # by a finished sample is refilled at once, not after the driver's round trip.
+                    m.capacity = self.max_inflight_seqs or 2 * answer["max_num_seqs"]
+                    self._catch_up(i, m, answer["policy_version"])
+                elif m.state == "catching_up":
+                    self._catch_up(i, m, answer)
+
+    def _catch_up(self, index: int, m: _Member, version: int) -> None:
+        """Active if at the pool's version; else copy a survivor's state (again, if a push raced it)."""
+        if version == self.policy_version:
+            m.state = "active"
+            return
+        donors = [d for d in self.members if d.state == "active"]
+        if not donors:
+            raise RuntimeError(f"replica {index} needs weights at version {self.policy_version} but no replica "
+                               "holds them any more; push the weights again")
+        state = donors[0].actor.export_state.remote()
+        m.state, m.pending = "catching_up", m.actor.load_state_from.remote(state)
+
+    def _replace(self, index: int, reason: str, resubmitted: list[int]) -> None:
+        m = self.members[index]
+        self.failures.append({"replica": index, "generation": m.generation, "reason": reason,
+                              "resubmitted": resubmitted, "round": self._round})
+        try:
+            self.ray.kill(m.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - it is gone already
+            pass
+        self.transfer.invalidate()  # the weight group counted the dead rank: rebuilt on the next push
+        self._start(index, m)
+
+    # ---- generation ------------------------------------------------------------------------------
+    def generate(self, prompts: Any, sampling_params: Any = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """``Engine.generate`` across the pool: one RequestOutput per prompt, in input order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        for i, out in self.generate_iter(prompts, sampling_params):
+            results[i] = out
+        return results  # type: ignore[return-value]
+
+    def generate_iter(self, prompts: Any, sampling_params: Any = None) -> Iterator[tuple[int, RequestOutput]]:
+        """(input index, RequestOutput) as groups finish: each group exactly once, whatever replicas die."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a list of str or of token-id lists, got {type(prompts).__name__}")
+        if not prompts:
+            return
+        params = [self._seeded(p) for p in normalize_params(sampling_params, len(prompts))]
+        self._validate(prompts, params)
+        self._round += 1
+        yield from self._run_round(list(prompts), params)
+
+    def _seeded(self, p: SamplingParams) -> SamplingParams:
+        return p if p.seed is not None else replace(p, seed=self._rng.getrandbits(63))
+
+    def _validate(self, prompts: list[Any], params: list[SamplingParams]) -> None:
+        """Refuse a bad prompt before anything is dispatched (an active replica checks them all)."""
+        for _ in range(len(self.members) + 1):
+            self.wait_ready()
+            i, m = next((i, m) for i, m in enumerate(self.members) if m.state == "active")
+            try:
+                self.ray.get(m.actor.validate.remote(prompts, params))
+                return
+            except self.ray.exceptions.RayActorError:
+                with self._lock:
+                    self._replace(i, "actor died (found idle)", [])
+            except self.ray.exceptions.RayTaskError as e:
+                raise e.as_instanceof_cause() from None
+        raise RuntimeError("every replica died while checking the prompts")
+
+    def _reap_dead(self) -> list[int]:
+        """Replace every active replica whose actor no longer answers; their indices."""
+        probes = [(i, m.actor.ready.remote()) for i, m in enumerate(self.members) if m.state == "active"]
+        dead = []
+        for i, ref in probes:
+            try:
+                self.ray.get(ref, timeout=60)
+            except self.ray.exceptions.RayActorError:
+                dead.append(i)
+                self._replace(i, "actor died (found idle)", [])
+        return dead
+
+    def _run_round(self, prompts: list[Any], params: list[SamplingParams]) -> Iterator[tuple[int, RequestOutput]]:
+        ray = self.ray
+        t0 = time.perf_counter()
+        slots = {i: Slot(m.capacity, active=m.state == "active") for i, m in enumerate(self.members)}
+        longest_first = sorted(range(len(params)), key=lambda g: -params[g].max_tokens)  # stable: ties in order
+        disp = Dispatcher([p.n for p in params], slots, longest_first)
+        inflight: dict[Any, tuple[int, int, int]] = {}  # ref -> (group, replica, actor generation)
+        failed0 = len(self.failures)
+        per_replica = {i: 0 for i in slots}
+        tokens = 0
+        while not disp.finished:
+            self._advance_members()
+            with self._lock:
+                for i, m in enumerate(self.members):
+                    slots[i].active = m.state == "active"
+                while (a := disp.next_assignment()) is not None:
+                    g, i = a
+                    m = self.members[i]
+                    ref = m.actor.run.remote(f"r{self._round}-g{g}", prompts[g], params[g])
+                    inflight[ref] = (g, i, m.generation)
+            waiting = list(inflight) + [m.pending for m in self.members if m.pending is not None]
+            if not waiting:
+                raise RuntimeError("no replica is alive or starting; the round cannot finish")
+            done, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
+            for ref in done:
+                if ref not in inflight:
+                    continue  # a member's ready / catch-up: handled by _advance_members
+                g, i, gen = inflight.pop(ref)
+                try:
+                    out = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    self._on_death(i, gen, disp, inflight)
+                    continue
+                except ray.exceptions.RayTaskError as e:
+                    raise e.as_instanceof_cause() from None
+                if disp.finish(g, i):
+                    per_replica[i] += 1
+                    tokens += sum(len(c.token_ids) for c in out.outputs)
+                    yield g, out
+        wall = time.perf_counter() - t0
+        self.last_round = {
+            "round": self._round, "groups": len(prompts), "wall_s": wall, "generated_tokens": tokens,
+            "tokens_per_s": tokens / wall if wall > 0 else 0.0, "groups_per_replica": per_replica,
+            "failures": self.failures[failed0:],
+            "resubmitted_groups": sorted(g for f in self.failures[failed0:] for g in f["resubmitted"]),
+        }
+
+    def _on_death(self, index: int, generation: int, disp: Dispatcher, inflight: dict[Any, tuple[int, int, int]]
+                  ) -> None:
+        """A replica's actor died: requeue its unfinished groups, forget their refs, start a replacement."""
+        with self._lock:
+            m = self.members[index]
+            if m.generation != generation:
+                return  # an older actor of this slot: already handled
+            lost = disp.fail(index)
+            for ref in [r for r, (_, i, _) in inflight.items() if i == index]:
+                del inflight[ref]
+            self._replace(index, "actor died", lost)
+
+    # ---- weights ---------------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Any, version: int | None = None, recompute_running: bool = True,
+                       bucket_bytes: int | None = None) -> int:
+        """Broadcast (name, tensor) pairs from this process to every replica; returns the shared new version."""
+        pairs = pool_transfer.pairs(named_tensors)  # references, walked by each attempt
+        with self._lock:
+            for attempt in (0, 1):
+                self.wait_ready()
+                try:
+                    new = self.transfer.push(pairs, version, recompute_running, bucket_bytes)
+                    break
+                except self.ray.exceptions.RayActorError:
+                    # A replica died before or during the push; every other one kept its old weights.
+                    # Replace it (the replacement copies a survivor's state) and push once more.
+                    self.transfer.close()
+                    if not self._reap_dead() or attempt:
+                        raise
+            self.policy_version = new
+            return new
+
+    # ---- metrics ---------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Per-replica engine stats plus tokens/s and KV usage, and the pool's totals and last round."""
+        refs = [(i, m.actor.stats.remote()) for i, m in enumerate(self.members) if m.state == "active"]
+        replicas = []
+        for i, ref in refs:
+            try:
+                replicas.append(self.ray.get(ref, timeout=60))
+            except self.ray.exceptions.RayActorError:
+                replicas.append({"index": i, "alive": False})
+        live = [r for r in replicas if r.get("alive", True)]
+        pooled = {
+            "replicas": len(self.members), "alive": len(live), "policy_version": self.policy_version,
+            "generated_tokens": sum(r["num_generated_tokens"] for r in live),
+            "tokens_per_s": self.last_round.get("tokens_per_s", 0.0),
+            "sum_replica_tokens_per_s": sum(r["tokens_per_s"] for r in live),
+            "kv_cache_usage": sum(r["kv_cache_usage"] for r in live) / len(live) if live else 0.0,
+            "failures": len(self.failures),
+        }
+        return {"pool": pooled, "replicas": replicas, "last_round": self.last_round}
+
+    def get_stats(self) -> EngineStats:
+        """``Engine.get_stats``'s shape over the pool: counters summed, KV usage and GPU busy averaged."""
+        replicas = [r for r in self.stats()["replicas"] if r.get("alive", True)]
+        k = max(len(replicas), 1)
+        averaged = ("kv_cache_usage", "gpu_busy_frac", "gpu_compute_s", "policy_version")
+        summed = {f.name: sum(r.get(f.name) or 0 for r in replicas) for f in fields(EngineStats)
+                  if f.name not in averaged}
+        busy = [r["gpu_busy_frac"] for r in replicas if r.get("gpu_busy_frac") is not None]
+        compute = [r["gpu_compute_s"] for r in replicas if r.get("gpu_compute_s") is not None]
+        return EngineStats(
+            kv_cache_usage=sum(r["kv_cache_usage"] for r in replicas) / k,
+            gpu_busy_frac=sum(busy) / len(busy) if busy else None,
+            gpu_compute_s=sum(compute) / len(compute) if compute else None,  # mean: a window's busy stays <= 1
+            policy_version=self.policy_version, **summed,
+        )
+
+    def shutdown(self) -> None:
+        self.transfer.close()
+        for m in self.members:
+            try:
+                self.ray.kill(m.actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+        self.members = []

@@ -1,0 +1,158 @@
+"""One pool replica: an ``Engine`` in its own process (a Ray actor), driven by its own loop thread.
+
+The actor is asynchronous: each ``run`` call (one request, i.e. one GRPO group with its ``n`` samples)
+adds the request to the engine and awaits its completion, so any number of groups can be in flight and
+the engine batches them continuously. The loop thread steps the engine while it has work and resolves
+each finished group's future on the actor's event loop.
+
+Weights arrive over the pool's ``TransferGroup`` through ``WeightReceiver`` and ``Engine.update_weights``,
+the same code the HTTP server uses (validate everything, then copy). A replacement replica catches up
+from a survivor's state (``export_state`` / ``load_state``) before it takes any work.
+
+Nothing here imports Ray: ``pool.py`` wraps ``Replica`` with ``ray.remote``, so the class is testable in
+process and the module imports without Ray installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from rollout.engine.validation import check_lengths, to_token_ids
+from rollout.engine.weight_transfer import BUCKET_BYTES, TensorSpec, WeightReceiver
+from rollout.outputs import RequestOutput
+from rollout.sampling_params import SamplingParams
+
+
+class Replica:
+    def __init__(self, engine_factory: Callable[[], Any], index: int = 0, torch_threads: int | None = None) -> None:
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.index = index
+        self.engine = engine_factory()
+        self.receiver = WeightReceiver(self.engine.device, self.engine.weights.mapper.validate)
+        self._futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._busy_s = 0.0  # wall time spent stepping with work present: tokens/s = generated / busy
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name=f"replica-{index}", daemon=True)
+        self._thread.start()
+
+    # ---- info ------------------------------------------------------------------------------------
+    def ready(self) -> dict[str, Any]:
+        """What the pool needs to schedule onto this replica (capacity in sequences) and its version."""
+        e = self.engine
+        return {"index": self.index, "max_num_seqs": e.config.max_num_seqs, "policy_version": e.policy_version,
+                "device": str(e.device), "num_blocks": e.num_blocks}
+
+    def stats(self) -> dict[str, Any]:
+        s = asdict(self.engine.get_stats())
+        s["busy_s"] = self._busy_s
+        s["tokens_per_s"] = s["num_generated_tokens"] / self._busy_s if self._busy_s > 0 else 0.0
+        s["index"] = self.index
+        return s
+
+    # ---- generation ------------------------------------------------------------------------------
+    def validate(self, prompts: list[Any], params: list[SamplingParams]) -> None:
+        """The engine's own checks on a whole round, so a bad prompt is refused before any is dispatched."""
+        e = self.engine
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                ids = to_token_ids(prompt, e.tokenizer, e.model.vocab_size)
+                check_lengths(len(ids), p, e.max_model_len, e.kv.num_tokens)
+            except ValueError as err:
+                raise ValueError(f"prompt {i}: {err}") from None
+
+    async def run(self, request_id: str, prompt: Any, params: SamplingParams) -> RequestOutput:
+        """One group, start to finish; a bad prompt raises ValueError/TypeError here, as in ``Engine``."""
+        if self._error is not None:
+            raise RuntimeError(f"replica {self.index}'s engine loop died: {self._error!r}")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._futures[request_id] = (loop, fut)
+        try:
+            self.engine.add_request(prompt, params, request_id=request_id)
+        except BaseException:
+            self._futures.pop(request_id, None)
+            raise
+        self._wake.set()
+        return await fut
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stop:
+            if not engine.has_unfinished_requests():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            t0 = time.perf_counter()
+            try:
+                outs = engine.step()
+            except BaseException as e:  # noqa: BLE001 - every waiting group must hear of it
+                self._error = e
+                for loop, fut in list(self._futures.values()):
+                    loop.call_soon_threadsafe(_set_exception, fut, e)
+                self._futures.clear()
+                return
+            self._busy_s += time.perf_counter() - t0
+            for out in outs:
+                entry = self._futures.pop(out.request_id, None)
+                if entry is not None:
+                    entry[0].call_soon_threadsafe(_set_result, entry[1], out)
+
+    # ---- weights ---------------------------------------------------------------------------------
+    async def join_weight_group(self, master_address: str, master_port: int, world_size: int, rank: int,
+                                backend: str, timeout_s: float = 600.0) -> int:
+        """Join the trainer's group as ``rank`` (blocks until every rank joined)."""
+        await asyncio.to_thread(self.receiver.join, master_address, master_port, world_size, rank, backend,
+                                timeout_s)
+        return rank
+
+    async def receive_weights(self, specs: list[TensorSpec], push_id: int, version: int | None,
+                              bucket_bytes: int = BUCKET_BYTES, recompute_running: bool = True) -> int:
+        """One push: verdict, broadcast into staging, then ``Engine.update_weights``; the new version."""
+        views = await asyncio.to_thread(self.receiver.receive, specs, bucket_bytes, push_id)
+        return await asyncio.to_thread(self.engine.update_weights, views, version, recompute_running)
+
+    def leave_weight_group(self) -> None:
+        self.receiver.close()
+
+    def export_state(self) -> tuple[dict[str, torch.Tensor], int]:
+        """The engine's own parameters (its fused layout, on the CPU) and version: a replacement's catch-up."""
+        with self.engine._lock:
+            state = {k: v.detach().to("cpu", copy=True) for k, v in self.engine.model.state_dict().items()}
+            return state, self.engine.policy_version
+
+    def load_state_from(self, exported: tuple[dict[str, torch.Tensor], int]) -> int:
+        """Take a survivor's ``export_state()`` before any work arrives; refused once requests are in."""
+        state, version = exported
+        engine = self.engine
+        with engine._lock:
+            if engine.has_unfinished_requests():
+                raise RuntimeError("load_state on a replica with requests in flight")
+            engine.model.load_state_dict(state, strict=True)
+            engine.block_manager.reset_prefix_cache()
+            engine.policy_version = version
+            return version
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self.receiver.close()
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

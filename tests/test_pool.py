@@ -1,0 +1,196 @@
+"""The Ray pool on the CPU: 2 replicas of the tiny Llama, one Ray session for the whole file.
+
+Ray's start and each actor's imports take tens of seconds on a small box, so one pool serves every
+test, in order: parity with one engine, a gloo weight broadcast, then a replica killed mid-round
+(its replacement must catch up to the broadcast weights before taking work).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout import SamplingParams
+from rollout.pool import EngineFactory, build_rollout
+from rollout.pool.dispatch import Dispatcher, Slot
+from tests.engine_helpers import assert_matches_hf, random_prompts
+from tests.tiny_models import make_tiny_hf_model, save_tiny_checkpoint
+
+OPTIONS = dict(max_model_len=128, num_blocks=64)
+
+
+def _params(k: int, max_tokens: int = 12) -> list[SamplingParams]:
+    return [SamplingParams(n=1 + i % 3, max_tokens=4 + (i * 5) % max_tokens, seed=100 + i, ignore_eos=True)
+            for i in range(k)]
+
+
+def _tokens(outs) -> list[list[list[int]]]:
+    return [[list(c.token_ids) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
+
+
+# ---- dispatch: pure bookkeeping, no Ray ------------------------------------------------------------
+def test_dispatch_never_splits_a_group_and_pulls_work_as_replicas_free_up() -> None:
+    slots = {0: Slot(capacity=4), 1: Slot(capacity=4)}
+    d = Dispatcher([3, 3, 3, 8], slots)
+    assert d.next_assignment() == (0, 0)
+    assert d.next_assignment() == (1, 1)
+    assert d.next_assignment() is None  # 1 free slot each: group 2 (n=3) waits, whole
+    assert d.finish(0, 0)
+    assert d.next_assignment() == (2, 0)
+    assert d.finish(1, 1)
+    assert d.next_assignment() == (3, 1)  # n=8 > capacity: runs alone on an idle replica
+    assert d.fail(0) == [2] and list(d.queue) == [2] and not slots[0].active
+    assert d.next_assignment() is None  # replica 1 is full, replica 0 is dead
+    assert d.finish(3, 1) and d.next_assignment() == (2, 1) and d.finish(2, 1)
+    assert d.finished and not d.finish(2, 1)  # a late duplicate is refused
+
+
+def test_one_replica_is_the_in_process_engine(tiny_ckpt) -> None:
+    from rollout import Engine
+
+    engine = build_rollout(1, EngineFactory(str(tiny_ckpt), dtype="float32", device="cpu", options=OPTIONS))
+    assert isinstance(engine, Engine)
+    with pytest.raises(ValueError, match="replicas"):
+        build_rollout(0, lambda: None)
+
+
+# ---- the pool -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pool") / "tiny-llama"
+    save_tiny_checkpoint(make_tiny_hf_model("llama", seed=0), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_ckpt):
+    ray = pytest.importorskip("ray", reason="the pool needs Ray (pip install ray; see requirements.lock)")
+    from rollout.pool.pool import RolloutPool
+
+    factory = EngineFactory(str(tiny_ckpt), dtype="float32", device="cpu", options=OPTIONS)
+    try:
+        p = RolloutPool(2, factory, max_inflight_seqs=4, torch_threads=1, transfer_timeout_s=60,
+                        start_timeout_s=240)
+    except Exception as e:  # noqa: BLE001 - no Ray on this box is a skip, not a failure
+        if ray.is_initialized():
+            ray.shutdown()
+        pytest.skip(f"Ray could not start a local pool here: {e!r}")
+    yield p
+    p.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt):
+    return EngineFactory(str(tiny_ckpt), dtype="float32", device="cpu", options=OPTIONS)()
+
+
+def test_pool_outputs_equal_one_engine(pool, reference) -> None:
+    prompts = random_prompts(10, 256, hi=20, seed=3)
+    params = _params(len(prompts))
+    want = reference.generate(prompts, params)
+    got = pool.generate(prompts, params)
+    assert _tokens(got) == _tokens(want)
+    for g, w in zip(got, want):
+        for a, b in zip(sorted(g.outputs, key=lambda c: c.index), sorted(w.outputs, key=lambda c: c.index)):
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    r = pool.last_round
+    assert r["groups"] == 10 and all(v > 0 for v in r["groups_per_replica"].values()), r  # both replicas worked
+    assert r["generated_tokens"] == sum(len(t) for o in _tokens(want) for t in o)
+    seen = sorted(i for i, _ in pool.generate_iter(prompts[:4], params[:4]))
+    assert seen == [0, 1, 2, 3]
+    s = pool.stats()
+    assert len(s["replicas"]) == 2 and all(r["tokens_per_s"] > 0 for r in s["replicas"])
+    assert s["pool"]["tokens_per_s"] > 0 and 0.0 <= s["pool"]["kv_cache_usage"] <= 1.0
+    with pytest.raises(ValueError, match="prompt 1"):
+        pool.generate([[1, 2], [1] * 200], SamplingParams(max_tokens=4))
+
+
+def test_gloo_broadcast_reaches_every_replica(pool) -> None:
+    trainer = make_tiny_hf_model("llama", seed=7)
+    assert pool.update_weights(trainer.named_parameters(), version=7) == 7
+    assert [r["policy_version"] for r in pool.stats()["replicas"]] == [7, 7]
+    prompt, greedy = [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for i, m in enumerate(pool.members):  # ask each replica directly: both must hold the trainer's weights
+        out = pool.ray.get(m.actor.run.remote(f"check-{i}", prompt, greedy))
+        assert_matches_hf(trainer, prompt, out.outputs[0], temperature=0.0, atol=1e-4)
+        assert set(out.outputs[0].policy_versions) == {7}
+    bad = [(n, t[:1] if n.endswith("q_proj.weight") else t) for n, t in trainer.named_parameters()]
+    with pytest.raises(ValueError, match="q_proj"):
+        pool.update_weights(bad, version=8)
+    assert [r["policy_version"] for r in pool.stats()["replicas"]] == [7, 7]  # refused: nothing changed
+
+
+def test_killed_replica_loses_no_group(pool, reference) -> None:
+    reference.update_weights(make_tiny_hf_model("llama", seed=7).named_parameters(), version=7)  # as pushed
+    prompts = random_prompts(16, 256, hi=16, seed=5)
+    params = _params(len(prompts), max_tokens=16)
+    victim = pool.members[0].actor
+    got: dict[int, object] = {}
+    for i, out in pool.generate_iter(prompts, params):
+        assert i not in got, f"group {i} came back twice"
+        got[i] = out
+        if len(got) == 1:
+            pool.ray.kill(victim, no_restart=True)
+    assert sorted(got) == list(range(len(prompts)))
+    r = pool.last_round
+    assert [f["replica"] for f in r["failures"]] == [0] and r["resubmitted_groups"], r
+    assert _tokens([got[i] for i in range(len(prompts))]) == _tokens(reference.generate(prompts, params))
+    pool.wait_ready()  # the replacement started, copied a survivor's weights, and is active
+    assert pool.members[0].actor != victim
+    assert [r["policy_version"] for r in pool.stats()["replicas"]] == [7, 7]
+    again = pool.generate(prompts[:6], params[:6])  # and the regenerated tokens equal the first run's
+    assert _tokens(again) == _tokens([got[i] for i in range(6)])
+    assert pool.update_weights(make_tiny_hf_model("llama", seed=8).named_parameters()) == 8  # a new group
+
+
+def test_trl_rollout_over_the_pool(pool) -> None:
+    from types import SimpleNamespace
+
+    from tests.engine_helpers import hf_logprobs
+    from trainer_hooks.trl import TRLRollout
+
+    model = make_tiny_hf_model("llama", seed=9)
+    tok = lambda text: {"input_ids": [[ord(ch) % 256 for ch in t] for t in text]}  # noqa: E731 - ids only
+    args = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=None, max_completion_length=5,
+                           generation_kwargs=None, repetition_penalty=1.0)
+    trainer = SimpleNamespace(model=model, processing_class=tok, state=SimpleNamespace(global_step=9),
+                              accelerator=SimpleNamespace(unwrap_model=lambda m: m), args=args, eos_token_ids=[],
+                              chat_template_kwargs={}, tools=None, chat_template=None)
+    prompts = ["1 + 1 =", "1 + 1 =", "7 * 8 =", "7 * 8 =", "7 * 8 =", "2 + 2 ="]
+    rows = TRLRollout(pool)(prompts, trainer)  # pushes the trainer's weights (version 9) to every replica
+    assert rows["policy_version"] == [9] * 6 and pool.policy_version == 9
+    for p, c, lps in zip(rows["prompt_ids"], rows["completion_ids"], rows["logprobs"]):
+        ref = hf_logprobs(model, p, c, 1.0)[torch.arange(len(c)), torch.tensor(c)]
+        assert torch.allclose(torch.tensor(lps), ref, atol=1e-4)
+
+
+def test_engine_view_lets_the_job_actor_step_a_pool(pool) -> None:
+    from rollout.pool.engine_view import PoolEngine
+
+    view = PoolEngine(pool)
+    prompts = random_prompts(5, 256, hi=12, seed=11)
+    params = _params(5)
+    ids = [view.add_request(p, sp, f"job-{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+    before = view.get_stats()
+    got = {}
+    while view.has_unfinished_requests():
+        for out in view.step():
+            got[out.request_id] = out
+    assert sorted(got) == sorted(ids) and not view.has_unfinished_requests()
+    assert view.add_request(prompts[0], params[0], "next-round") == "next-round"  # as the job's next round does
+    assert [o.request_id for o in view.step()] == ["next-round"] and not view.has_unfinished_requests()
+    assert _tokens([got[i] for i in ids]) == _tokens(pool.generate(prompts, params))
+    after = view.get_stats()
+    assert after.num_generated_tokens > before.num_generated_tokens and after.policy_version == pool.policy_version
+
+
+def test_a_replica_found_dead_at_a_push_is_replaced_and_the_push_lands_everywhere(pool) -> None:
+    pool.ray.kill(pool.members[1].actor, no_restart=True)  # dies between rounds, unnoticed
+    trainer = make_tiny_hf_model("llama", seed=10)
+    assert pool.update_weights(trainer.named_parameters(), version=10) == 10
+    assert pool.failures[-1]["replica"] == 1
+    assert [r["policy_version"] for r in pool.stats()["replicas"]] == [10, 10]
+    prompt, greedy = [9, 8, 7], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    out = pool.ray.get(pool.members[1].actor.run.remote("check-new", prompt, greedy))
+    assert_matches_hf(trainer, prompt, out.outputs[0], temperature=0.0, atol=1e-4)
