@@ -247,7 +247,7 @@ def test_async_grpo_trainer_runs_on_the_engine(tok, tmp_path):
     for log in logs.logs:
         assert {"rollout/tokens_per_s", "rollout/kv_cache_usage_mean", "rollout/policy_lag_max",
                 "rollout/logprob_gap_max", "rollout/weight_push_s"} <= set(log), sorted(log)
-    assert not engine.has_unfinished_requests() and trainer.rollout_worker._thread is None
+    assert not engine.has_unfinished_requests() and not trainer.rollout_worker.running
     # After the last sync the engine serves exactly the trained weights.
     trained = _tiny(tok)  # plain attention: the trainer's copy is wired for packed tree batches
     trained.load_state_dict(trainer.accelerator.unwrap_model(trainer.model).state_dict())

@@ -96,6 +96,11 @@ class EngineRolloutWorker:
         self._next_group = 0
         self._window: EngineWindow | None = None
 
+    @property
+    def running(self) -> bool:
+        """Whether the generation thread is alive (between ``start()`` and ``stop()``)."""
+        return self._thread is not None
+
     # ---- protocol -------------------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is not None:
