@@ -45,7 +45,7 @@ def test_grpo_run_logs_engine_metrics_to_offline_wandb(tmp_path):
 
 def test_grpo_config_passthrough():
     script = load_script("train_grpo")
-    job, train = script.load_config(_raw("+train.grpo.loss_type=dr_grpo", "+train.grpo.epsilon_high=0.28",
+    job, train, _ = script.load_config(_raw("+train.grpo.loss_type=dr_grpo", "+train.grpo.epsilon_high=0.28",
                                          "+train.grpo.gradient_accumulation_steps=4"))
     from types import SimpleNamespace
 
@@ -80,7 +80,7 @@ def _raw(*overrides: str) -> dict:
 def test_train_script_refuses_bad_config(tmp_path, override, message):
     script = load_script("train_grpo")
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("+", r"\+").replace("]", r"\]")):
-        job, train = script.load_config(_raw(override))
+        job, train, _ = script.load_config(_raw(override))
         from types import SimpleNamespace
 
         script.trainer_args(job, train, SimpleNamespace(device=SimpleNamespace(type="cpu")), ["none"])

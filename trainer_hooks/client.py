@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from rollout.engine.stats import EngineStats
 from rollout.engine.transfer_group import PushRejected, TransferError, TransferGroup, await_verdicts, cuda_device
 from rollout.engine.validation import normalize_params
 from rollout.engine.weight_transfer import BUCKET_BYTES, TensorSpec, dtype_name, send_weights
@@ -112,6 +113,27 @@ class RolloutClient:
     @property
     def policy_version(self) -> int:
         return int(self.request("GET", "/policy_version")["policy_version"])
+
+    def get_stats(self) -> EngineStats:
+        """The server engine's counters (from ``GET /metrics``) in ``Engine.get_stats``'s shape, so the trainer's
+        ``rollout/*`` metrics work the same against a server."""
+        text = self.request("GET", "/metrics")
+        values: dict[str, float] = {}
+        for line in str(text).splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                try:
+                    values[name.strip()] = float(value)
+                except ValueError:
+                    continue
+        get = lambda name: values.get(f"rollout_{name}", 0.0)  # noqa: E731
+        return EngineStats(
+            num_running_seqs=int(get("running_seqs")), num_waiting_seqs=int(get("waiting_seqs")),
+            kv_cache_usage=get("kv_cache_usage_ratio"), num_steps=int(get("engine_steps_total")),
+            num_preemptions=int(get("preemptions_total")), num_generated_tokens=int(get("generation_tokens_total")),
+            num_prompt_tokens=int(get("prompt_tokens_total")), num_scheduled_seqs=0,
+            gpu_busy_frac=values.get("rollout_gpu_busy_ratio"), policy_version=int(get("policy_version")),
+        )
 
     # ---- generation --------------------------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: Any = None, use_tqdm: bool = False) -> list[RequestOutput]:
