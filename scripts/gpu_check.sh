@@ -4,7 +4,7 @@
 # (on the GPU machine there is no .git: pass COMMIT). Writes $OUT/gpu_tests_<date>_<commit>.log and
 # $OUT/bench.jsonl; commit both to bench/results/.
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export COMMIT

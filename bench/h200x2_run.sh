@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The two-H200 session in two calls (wheels from ../shared/device/wheels.sh serve + ray carried in .whl):
+#   bash bench/h200x2_run.sh 1   # the whole GPU suite (TP and server tests included) + TP W1-short
+#   bash bench/h200x2_run.sh 2   # W2 bf16 vs fp8 KV (+ logprob check), server bars, pool throughput
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+OUT=${OUT:-/tmp/out}
+case "${1:-1}" in
+1)
+  TEST_TIMEOUT=330 bash scripts/gpu_check.sh
+  timeout 200 python3 scripts/bench_tp.py --bar w1-short --out "$OUT/tp.jsonl" 2>&1 | grep -v -i warn | tail -6
+  ;;
+2)
+  timeout 300 python3 scripts/bench.py --workload W2 --modes async --kv-cache-dtype auto,fp8 --logprob-check 8 \
+    --out "$OUT/w2.jsonl" 2>&1 | grep -v -i warn | tail -4
+  timeout 150 python3 bench/serve_bench.py --repeats 2 --out "$OUT/serve.jsonl" 2>&1 | grep -v -i warn | tail -6
+  timeout 120 python3 bench/pool_bench.py --mode throughput --prompts 16 --out "$OUT/pool.jsonl" 2>&1 \
+    | grep -v -i warn | tail -4
+  ;;
+esac
