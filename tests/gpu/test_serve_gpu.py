@@ -124,7 +124,8 @@ def test_nccl_push_between_two_gpus_and_a_trainer_killed_mid_push():
               f"{time.perf_counter() - t0:.3f}s")
         served = _served(client)
         _same(served, _reference(new, "cuda:0"))
-        env = dict(os.environ, PYTHONPATH=str(ROOT), NCCL_NVLS_ENABLE="0")
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep carried wheels
+        env = dict(os.environ, PYTHONPATH=path, NCCL_NVLS_ENABLE="0")
         child = subprocess.run([sys.executable, "-c", KILLER.format(root=str(ROOT), url=server.url)], env=env,
                                capture_output=True, text=True, timeout=300)
         assert child.returncode == 3, child.stderr[-3000:]
