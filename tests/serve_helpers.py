@@ -37,8 +37,8 @@ class Server:
 
     def __init__(self, *overrides: str) -> None:
         """Starts the process; ``wait_ready`` blocks until it serves (build other things meanwhile)."""
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
-                   OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # carried wheels too
+        env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
         self.proc = subprocess.Popen(
             [sys.executable, str(SCRIPT), "server.port=0", *overrides], cwd=ROOT, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
