@@ -9,6 +9,7 @@ and the sender waits for every verdict before broadcasting.
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from collections.abc import Callable
 
@@ -46,7 +47,7 @@ class TransferGroup:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = 2 * self.timeout  # our own waits time out first and abort the group: the
             # NCCL watchdog, left to fire, would tear the whole server process down
-            self.pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+            self.pg = _nccl_group(prefix, rank, world_size, opts)
         else:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = self.timeout
@@ -138,3 +139,21 @@ def await_verdicts(group: TransferGroup, push_id: int, alive: Callable[[], bool]
         raise PushRejected(errors[0].removeprefix("error: "))
 
 
+def _nccl_group(prefix: dist.Store, rank: int, world_size: int, opts: object) -> dist.ProcessGroup:
+    """A receiver (rank >= 1) must outlive a trainer that dies mid-push. By default the NCCL watchdog rethrows
+    a peer's failure on its own thread, which terminates the whole process (seen on the H200 pair at 461e72e:
+    the server died instead of keeping its old weights). ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (clean up
+    only) makes it abort the communicator and fail the pending work instead; it is read when the group is
+    constructed, so it is set just for that. The trainer (rank 0) keeps torch's default."""
+    if rank == 0:
+        return dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+    key = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    old = os.environ.get(key)
+    os.environ[key] = "2"
+    try:
+        return dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+    finally:
+        if old is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = old
