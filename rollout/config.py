@@ -25,6 +25,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "fp8": e4m3 with a scale per (token, kv head), ~1.97x bf16's tokens
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks (GPUs) one model is sharded over; 1 = no tensor parallelism
+    swap_space_gib: float = 0.0  # pinned host pool for preempted sequences' KV; 0 = off (recompute only)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch_size"):
@@ -36,13 +37,16 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("gpu_memory_utilization", "cpu_kv_cache_gib"):
+        for name in ("gpu_memory_utilization", "cpu_kv_cache_gib", "swap_space_gib"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number, got {value!r}")
         if not 0.0 < self.cpu_kv_cache_gib < 2**20:
             raise ValueError(f"cpu_kv_cache_gib must be a finite number of GiB in (0, 2**20), "
                              f"got {self.cpu_kv_cache_gib}")
+        if not 0.0 <= self.swap_space_gib < 2**20:
+            raise ValueError(f"swap_space_gib must be a finite number of GiB in [0, 2**20) (0 = off), "
+                             f"got {self.swap_space_gib}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"

@@ -6,6 +6,11 @@ tables and the (src, dst) block copies that ``append_slots`` returns.
 Prefix cache (vLLM v1 style): a block full of known, computed tokens is registered under a chained hash
 of (parent block's hash, its token ids). A freed block keeps its hash and stays a possible hit until the
 allocator needs it; the allocator takes blocks that hold no hash first, then the least recently freed.
+
+Swap (``num_host_blocks`` > 0): ``swap_out`` moves a sequence whose blocks are all unshared to host blocks
+(counts only; the runner copies the bytes) and ``swap_in`` brings it back into fresh device blocks, its
+``num_computed_tokens`` kept. A shared block (a group's prompt, a prefix hit) is never swapped: freeing it
+here would not free it, and copying it back would unshare it.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ class BlockManager:
     """Owns the block pool; sequences hold block ids in ``block_table`` and hashes in ``block_hashes``."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: Callable[[int, tuple[int, ...]], int] = chain_hash) -> None:
+                 hash_fn: Callable[[int, tuple[int, ...]], int] = chain_hash, num_host_blocks: int = 0) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {value!r}")
@@ -66,6 +71,9 @@ class BlockManager:
         self._seq_root: dict[int, int] = {}
         self._epoch = 0
         self._root = _root_hash(0)
+        self.num_host_blocks = num_host_blocks
+        self._free_host: deque[int] = deque(range(num_host_blocks))
+        self._swapped: dict[int, list[int]] = {}  # seq_id -> its blocks' host copies, in table order
 
     # ---- counters -------------------------------------------------------------------------------------
 
@@ -111,6 +119,54 @@ class BlockManager:
             seq.block_hashes.append(h)
             parent = h
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * bs
+
+    # ---- swap ---------------------------------------------------------------------------------------------
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self._free_host)
+
+    def is_swapped(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._swapped
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        """Host room for every block, and every block held by this sequence alone."""
+        table = seq.block_table
+        return (bool(table) and len(table) <= len(self._free_host)
+                and all(self.blocks[b].ref_count == 1 for b in table))
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Free the sequence's device blocks into host blocks; returns the (gpu_block, host_block) copies,
+        which must run before any later write to those device blocks (the runner does them first)."""
+        assert self.can_swap_out(seq), f"seq {seq.seq_id} cannot be swapped out"
+        pairs = []
+        for block_id in seq.block_table:
+            block = self.blocks[block_id]
+            block.ref_count = 0
+            if block.hash is None:
+                self._free_plain.append(block_id)
+            else:
+                self._free_cached[block_id] = None
+            pairs.append((block_id, self._free_host.popleft()))
+        self._swapped[seq.seq_id] = [h for _, h in pairs]
+        seq.block_table = []
+        return pairs
+
+    def num_swap_in_blocks(self, seq: Sequence) -> int:
+        return len(self._swapped[seq.seq_id])
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Bring a swapped sequence back into fresh device blocks; returns the (host_block, gpu_block) copies."""
+        host = self._swapped[seq.seq_id]
+        assert len(host) <= self.num_free_blocks, f"seq {seq.seq_id}: swap-in needs {len(host)} free blocks"
+        del self._swapped[seq.seq_id]
+        seq.block_table = [self._take_free_block() for _ in host]
+        self._free_host.extend(host)
+        return list(zip(host, seq.block_table))
+
+    def _drop_swapped(self, seq: Sequence) -> None:
+        """Forget a swapped sequence's host copy (it finished, or its KV is no longer wanted)."""
+        self._free_host.extend(self._swapped.pop(seq.seq_id))
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Fresh blocks ``append_slots`` would take, counting a copy-on-write block."""
@@ -184,7 +240,11 @@ class BlockManager:
         """Drop the sequence's references; tail blocks go to the free list first, so they are reused
         before head blocks, which are the likelier prefix hits. Full computed blocks are registered first
         so a finished sequence's prompt and output stay reusable (every planned token was launched);
-        ``register=False`` after a failed step, whose KV writes may not have happened."""
+        ``register=False`` after a failed step, whose KV writes may not have happened. A swapped
+        sequence's host copy is dropped too."""
+        if seq.seq_id in self._swapped:
+            self._drop_swapped(seq)
+            register = False
         if register and self.enable_prefix_caching and seq.seq_id in self._seq_root:
             self._register_full_blocks(seq)
         for block_id in reversed(seq.block_table):
@@ -218,12 +278,18 @@ class BlockManager:
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:
         """Assert the pool's bookkeeping is consistent with ``seqs`` (every live sequence holding blocks):
         hash chains match each sequence's tokens, reference counts match holders, the free lists hold
-        exactly the unreferenced blocks (hashed ones in the cached list), and the hash index is exact.
+        exactly the unreferenced blocks (hashed ones in the cached list), the hash index is exact, and every
+        host block is either free or held by exactly one swapped, non-resident sequence.
         For tests and debugging; O(blocks + tokens)."""
         holders = [0] * self.num_blocks
+        host_held = [h for hs in self._swapped.values() for h in hs]
+        assert sorted(host_held + list(self._free_host)) == list(range(self.num_host_blocks)), "host pool leak"
         for seq in seqs:
+            assert seq.seq_id not in self._swapped or not seq.block_table, f"seq {seq.seq_id} swapped and resident"
             assert len(seq.block_hashes) <= len(seq.block_table), f"seq {seq.seq_id}: more hashes than blocks"
-            assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens, f"seq {seq.seq_id}"
+            swapped = seq.seq_id in self._swapped
+            assert swapped or len(seq.block_table) * self.block_size >= seq.num_computed_tokens, f"seq {seq.seq_id}"
+            assert not swapped or len(self._swapped[seq.seq_id]) * self.block_size >= seq.num_computed_tokens
             parent = self._seq_root.get(seq.seq_id)
             assert parent is not None or not seq.block_table, f"seq {seq.seq_id} holds blocks but no chain seed"
             for i, h in enumerate(seq.block_hashes):

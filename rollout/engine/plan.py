@@ -42,6 +42,10 @@ class BatchPlan:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     policy_version: int = 0  # the weights this step runs with: every token it samples is tagged with it
     num_prompt_tokens: int = 0  # prompt tokens computed by this step (prefill work, for stats)
+    # Swap copies, done before ``block_copies`` and the forward, swap-outs first: (gpu_block, host_block)
+    # saves a preempted sequence's KV; (host_block, gpu_block) restores a resumed one.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def decode_only(self) -> bool:

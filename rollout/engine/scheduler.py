@@ -3,7 +3,17 @@
 Policy (vLLM v1's "no phases"): running sequences first, oldest first, each asking for the tokens
 it has not computed yet (one for decode, a chunk for a prefill); then waiting sequences FIFO while
 the token budget, ``max_num_seqs`` and free blocks allow. When blocks run out the newest running
-sequence is preempted by recompute, so the oldest always progresses and nothing is lost.
+sequence is preempted, so the oldest always progresses and nothing is lost.
+
+Swap or recompute (the rule): a preempted sequence is swapped to the host pool when its computed context
+is at least ``SWAP_MIN_BLOCKS`` blocks, every block it holds is its own (ref_count 1: a group's shared
+prompt blocks or prefix hits are never swapped) and the pool has room; otherwise its KV is freed and
+recomputed on readmission. Re-prefilling a short context is cheaper than a round trip over PCIe; a long
+one is not. A swapped sequence resumes with its ``num_computed_tokens`` (no recompute).
+
+Admission watermark: a waiting sequence is admitted only if, after its blocks, the free blocks still
+cover one new block for each running (and just admitted) sequence whose next two tokens cross its last
+block, so the step after next does not have to preempt what this one admitted.
 """
 
 from __future__ import annotations
@@ -16,6 +26,9 @@ from rollout.engine.block_manager import BlockManager
 from rollout.engine.plan import BatchPlan, SampleResult, SeqPlan
 from rollout.engine.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus
 from rollout.engine.stop import check_stop
+
+SWAP_MIN_BLOCKS = 2  # computed context (in blocks) from which a preempted sequence is swapped, not recomputed
+WATERMARK_STEPS = 2  # admission keeps a block for each running sequence crossing a block within this many tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +55,11 @@ class Scheduler:
         self.seqs: dict[int, Sequence] = {}
         self.num_preemptions = 0
         self.num_generated_tokens = 0  # samples applied to a live sequence (late, dropped ones not counted)
+        self.num_swapped_out_blocks = 0
+        self.num_swap_outs = 0  # preemptions by swap (sequences)
+        self.num_swap_ins = 0
+        self._swap_out: list[tuple[int, int]] = []  # this step's (gpu, host) copies
+        self._swapped_now: list[Sequence] = []
         self._step_id = 0
 
     # ---- admission and removal -------------------------------------------------------------
@@ -89,6 +107,8 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
         copies: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        self._swap_out, self._swapped_now = [], []
         preempted = False
         for seq in list(self.running):
             if len(chosen) >= self.limits.max_num_seqs or budget == 0:
@@ -113,19 +133,53 @@ class Scheduler:
                 chosen.append((seq, n))
                 budget -= n
         if not preempted:
-            budget = self._admit(chosen, copies, budget)
+            budget = self._admit(chosen, copies, swap_in, budget)
         if not chosen:
+            for seq in self._swapped_now:  # no step runs the copies: recompute these instead
+                self.block_manager.free(seq, register=False)
+                self.num_swap_outs -= 1
             return None
-        return self._make_plan(chosen, copies, policy_version)
+        plan = self._make_plan(chosen, copies, policy_version)
+        plan.swap_out, plan.swap_in = self._swap_out, swap_in
+        self.num_swapped_out_blocks += len(self._swap_out)
+        return plan
 
-    def _admit(self, chosen: list[tuple[Sequence, int]], copies: list[tuple[int, int]], budget: int) -> int:
+    def _watermark(self, chosen: list[tuple[Sequence, int]]) -> int:
+        """Blocks to keep free: one per chosen sequence whose next ``WATERMARK_STEPS`` tokens leave its table."""
+        bs = self.block_manager.block_size
+        return sum(seq.num_computed_tokens + n + WATERMARK_STEPS > len(seq.block_table) * bs for seq, n in chosen)
+
+    def _swap_in(self, seq: Sequence, budget: int, reserve: int, swap_in: list[tuple[int, int]]) -> int:
+        """Resume a swapped sequence if its blocks (and the watermark) fit; returns its tokens (0: not now)."""
+        bm = self.block_manager
+        n = self._num_new_tokens(seq, budget)
+        held = bm.num_swap_in_blocks(seq)
+        need = held + max(0, -(-(seq.num_computed_tokens + n) // bm.block_size) - held)
+        if n == 0 or need + reserve > bm.num_free_blocks:
+            return 0
+        swap_in += bm.swap_in(seq)
+        self.num_swap_ins += 1
+        return n
+
+    def _admit(self, chosen: list[tuple[Sequence, int]], copies: list[tuple[int, int]],
+               swap_in: list[tuple[int, int]], budget: int) -> int:
         admitted: set[int] = set()
+        bm = self.block_manager
         for seq in list(self.waiting):
             if len(chosen) >= self.limits.max_num_seqs or budget == 0:
                 break
             if seq.num_inflight:
                 continue  # preempted with a sample still in flight; re-admit once it lands
+            reserve = self._watermark(chosen) if self.running else 0
             parent = seq.parent
+            if bm.is_swapped(seq):
+                n = self._swap_in(seq, budget, reserve, swap_in)
+                if n == 0:
+                    break
+                copies += bm.append_slots(seq, n)
+                self._start(seq, n, chosen, admitted)
+                budget -= n
+                continue
             if parent is not None and parent.status is SequenceStatus.RUNNING:
                 if parent.num_computed_tokens < seq.num_prompt_tokens - 1 or parent.seq_id in admitted:
                     continue  # wait until the parent's prompt KV is computed (in an earlier step), then share it
@@ -133,17 +187,20 @@ class Scheduler:
             else:
                 self.block_manager.allocate_prefix(seq)
             n = self._num_new_tokens(seq, budget)
-            if n == 0 or not self.block_manager.can_append(seq, n):
+            if n == 0 or bm.num_blocks_needed(seq, n) + reserve > bm.num_free_blocks:
                 self.block_manager.free(seq)
                 break  # FIFO: do not let later requests overtake this one
             copies += self.block_manager.append_slots(seq, n)
-            self.waiting.remove(seq)
-            seq.status = SequenceStatus.RUNNING
-            self._insert(self.running, seq)
-            admitted.add(seq.seq_id)
-            chosen.append((seq, n))
+            self._start(seq, n, chosen, admitted)
             budget -= n
         return budget
+
+    def _start(self, seq: Sequence, n: int, chosen: list[tuple[Sequence, int]], admitted: set[int]) -> None:
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self._insert(self.running, seq)
+        admitted.add(seq.seq_id)
+        chosen.append((seq, n))
 
     def _fits_in_last_block(self, seq: Sequence) -> bool:
         """The next position lies in the sequence's own, unshared, partly filled last block."""
@@ -220,6 +277,7 @@ class Scheduler:
             if seq.num_inflight:
                 del seq.token_ids[len(seq.token_ids) - seq.num_inflight :]
                 seq.num_inflight = 0
+        self._drop_swapped()
         moved = list(self.running)
         for seq in reversed(moved):
             self.running.remove(seq)
@@ -232,7 +290,8 @@ class Scheduler:
     def recompute_running(self) -> int:
         """The weights changed: every running sequence goes back to the queue with its tokens kept and
         its KV freed, to be recomputed under the new weights (siblings fork the prompt again). Not
-        counted as a preemption. Returns how many went back."""
+        counted as a preemption. Swapped sequences drop their host copy too. Returns how many went back."""
+        self._drop_swapped()
         moved = list(self.running)
         for seq in reversed(moved):
             assert seq.num_inflight == 0, "recompute with a sample in flight (collect it first)"
@@ -244,12 +303,26 @@ class Scheduler:
 
     # ---- helpers -----------------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
+        """Swap or recompute by the module docstring's rule. A sample still in flight stays a placeholder
+        (admission waits for it); its KV position is not computed yet, so neither path loses it."""
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        bm = self.block_manager
+        if seq.num_computed_tokens >= SWAP_MIN_BLOCKS * bm.block_size and bm.can_swap_out(seq):
+            self._swap_out += bm.swap_out(seq)
+            self._swapped_now.append(seq)
+            self.num_swap_outs += 1
+        else:
+            bm.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._insert(self.waiting, seq)
+
+    def _drop_swapped(self) -> None:
+        """Swapped sequences go back to plain recompute (their host KV is lost or stale)."""
+        for seq in self.waiting:
+            if self.block_manager.is_swapped(seq):
+                self.block_manager.free(seq, register=False)
 
     @staticmethod
     def _insert(queue: list[Sequence], seq: Sequence) -> None:
