@@ -65,6 +65,8 @@ class EngineConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {self.seed!r}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.swap_space_gib and self.tensor_parallel_size > 1:
+            raise ValueError("swap_space_gib > 0 is not supported with tensor_parallel_size > 1 yet; use 0 (recompute)")
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

@@ -285,11 +285,11 @@ class BlockManager:
         host_held = [h for hs in self._swapped.values() for h in hs]
         assert sorted(host_held + list(self._free_host)) == list(range(self.num_host_blocks)), "host pool leak"
         for seq in seqs:
-            assert seq.seq_id not in self._swapped or not seq.block_table, f"seq {seq.seq_id} swapped and resident"
-            assert len(seq.block_hashes) <= len(seq.block_table), f"seq {seq.seq_id}: more hashes than blocks"
             swapped = seq.seq_id in self._swapped
-            assert swapped or len(seq.block_table) * self.block_size >= seq.num_computed_tokens, f"seq {seq.seq_id}"
-            assert not swapped or len(self._swapped[seq.seq_id]) * self.block_size >= seq.num_computed_tokens
+            assert not swapped or not seq.block_table, f"seq {seq.seq_id} swapped and resident"
+            num_held = len(self._swapped[seq.seq_id]) if swapped else len(seq.block_table)
+            assert len(seq.block_hashes) <= num_held, f"seq {seq.seq_id}: more hashes than blocks"
+            assert num_held * self.block_size >= seq.num_computed_tokens, f"seq {seq.seq_id}"
             parent = self._seq_root.get(seq.seq_id)
             assert parent is not None or not seq.block_table, f"seq {seq.seq_id} holds blocks but no chain seed"
             for i, h in enumerate(seq.block_hashes):

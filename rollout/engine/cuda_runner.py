@@ -113,6 +113,8 @@ class CudaModelRunner:
             if slot.used:
                 self.compute.wait_event(slot.d2h_done)  # slot's outputs of two steps ago were read
             slot.compute_start.record(self.compute)
+            if plan.swap_out or plan.swap_in:  # before anything writes a swapped-out block again
+                self.kv.swap(plan.swap_out, plan.swap_in)
             if plan.block_copies:
                 self._copy_blocks(slot, len(plan.block_copies))
             if graph_b:

@@ -59,7 +59,8 @@ class Engine:
         self.kv = KVCache(model, config, device, self.dtype, self.max_model_len)
         self.num_blocks = self.kv.num_blocks
         self.async_mode = (device.type == "cuda") if config.async_mode is None else config.async_mode
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          num_host_blocks=self.kv.num_host_blocks)
         detokenize = None
         if tokenizer is not None:
             detokenize = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # type: ignore[attr-defined]
@@ -176,7 +177,8 @@ class Engine:
             self._rollback()
             raise
         self.counters.on_step_end()
-        if plan is None and self._inflight is None and self.scheduler.has_unfinished():
+        # (a step that only collected the in-flight samples made progress: they may free blocks)
+        if plan is None and previous is None and self._inflight is None and self.scheduler.has_unfinished():
             raise RuntimeError("scheduler has unfinished requests but nothing to run (bug)")
 
     def _update(self, pending: PendingStep) -> None:
@@ -352,7 +354,8 @@ class Engine:
             return EngineStats(s.num_running, s.num_waiting, self.block_manager.usage, c.steps, s.num_preemptions,
                                s.num_generated_tokens, c.prompt, c.scheduled, c.busy_frac(compute),
                                self.policy_version, compute, c.bytes, kv_bytes, self.kv.num_tokens, c.failed,
-                               c.kv_usage)
+                               c.kv_usage, s.num_swap_outs, s.num_swapped_out_blocks,
+                               s.num_swapped_out_blocks * self.kv.block_bytes, s.num_swap_ins)
 
 
 def build_runner(model: torch.nn.Module, kv: KVCache, c: EngineConfig, attn_backend: object, device: torch.device,

@@ -6,6 +6,9 @@ derived size stays inside ``gpu_memory_utilization``, and an explicit ``num_bloc
 less than the workspace free is refused, naming the largest that fits (a cache that fits but leaves
 no room for the sampler only fails later, mid-run). ``kv_cache_dtype="fp8"`` stores e4m3 values with
 a float16 scale per (token, kv head) (``rollout.layers.kv_quant``): 1.97x bf16's tokens per byte.
+
+``swap_space_gib`` > 0 adds a host pool (pinned on CUDA) of whole blocks, ``[host_blocks, layers, 2, ..]``
+so each host block is one contiguous copy; ``swap`` runs a plan's swap copies on the current stream.
 """
 
 from __future__ import annotations
@@ -78,6 +81,14 @@ class KVCache:
         self.storage: torch.Tensor | None = None
         self.layers: list[torch.Tensor] = []
         self.num_blocks = self._choose_num_blocks(max_model_len)
+        self.num_host_blocks = int(config.swap_space_gib * 2**30) // self.block_bytes
+        self.host: torch.Tensor | None = None
+        if self.num_host_blocks:
+            m, page = self.model, config.block_size
+            tail = (self.layer_block_bytes,) if self.is_fp8 else (page, m.num_kv_heads, m.head_dim)
+            block = (m.num_layers, 2, *tail)
+            self.host = torch.zeros((self.num_host_blocks, *block), dtype=torch.uint8 if self.is_fp8 else self.dtype,
+                                    pin_memory=device.type == "cuda")
         self.allocate()
 
     @property
@@ -135,6 +146,15 @@ class KVCache:
             return
         self.storage = self._new_storage(self.num_blocks)
         self.layers = list(self.storage.unbind(0))
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copy (gpu, host) blocks out, then (host, gpu) blocks in; on CUDA asynchronously on the current
+        stream, which the copies' next readers (this step's forward, a later swap) also run on."""
+        assert self.storage is not None and self.host is not None, "swap without a host pool or while asleep"
+        for gpu, host in swap_out:
+            self.host[host].copy_(self.storage[:, :, gpu], non_blocking=True)
+        for host, gpu in swap_in:
+            self.storage[:, :, gpu].copy_(self.host[host], non_blocking=True)
 
     def release(self) -> int:
         """Free the memory; returns the bytes released."""

@@ -38,6 +38,8 @@ class ModelRunner:
     def execute(self, plan: BatchPlan) -> CpuPendingStep:
         h = build_host_inputs(plan, self.block_size)
         layers = self.kv.layers
+        if plan.swap_out or plan.swap_in:
+            self.kv.swap(plan.swap_out, plan.swap_in)
         if plan.block_copies:
             copy_blocks(layers, self._tensor([s for s, _ in plan.block_copies], torch.int64),
                         self._tensor([d for _, d in plan.block_copies], torch.int64))

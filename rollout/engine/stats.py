@@ -26,6 +26,10 @@ class EngineStats:
     kv_cache_tokens: int = 0  # KV capacity in tokens
     num_failed_steps: int = 0  # steps that raised and were rolled back
     kv_cache_usage_sum: float = 0.0  # kv_cache_usage summed over steps: a window's mean = delta / delta num_steps
+    num_swap_outs: int = 0  # preemptions that swapped the sequence's KV to the host pool (swap_space_gib)
+    num_swapped_out_blocks: int = 0  # KV blocks copied to the host pool
+    swapped_out_bytes: int = 0  # their bytes
+    num_swap_ins: int = 0  # swapped sequences resumed without recompute
 
 
 @dataclass(slots=True)
