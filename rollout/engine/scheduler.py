@@ -165,12 +165,12 @@ class Scheduler:
                swap_in: list[tuple[int, int]], budget: int) -> int:
         admitted: set[int] = set()
         bm = self.block_manager
+        reserve = self._watermark(chosen)  # kept up to date as sequences are admitted
         for seq in list(self.waiting):
             if len(chosen) >= self.limits.max_num_seqs or budget == 0:
                 break
             if seq.num_inflight:
                 continue  # preempted with a sample still in flight; re-admit once it lands
-            reserve = self._watermark(chosen) if self.running else 0
             parent = seq.parent
             if bm.is_swapped(seq):
                 n = self._swap_in(seq, budget, reserve, swap_in)
@@ -178,6 +178,7 @@ class Scheduler:
                     break
                 copies += bm.append_slots(seq, n)
                 self._start(seq, n, chosen, admitted)
+                reserve += self._watermark(chosen[-1:])
                 budget -= n
                 continue
             if parent is not None and parent.status is SequenceStatus.RUNNING:
@@ -192,6 +193,7 @@ class Scheduler:
                 break  # FIFO: do not let later requests overtake this one
             copies += self.block_manager.append_slots(seq, n)
             self._start(seq, n, chosen, admitted)
+            reserve += self._watermark(chosen[-1:])
             budget -= n
         return budget
 
