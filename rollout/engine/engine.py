@@ -32,7 +32,13 @@ from rollout.engine.stats import EngineStats, StepCounters
 from rollout.engine.stop import truncate_at_stop
 from rollout.engine.tp_runner import TPRunner, TPWeightSync, start_tensor_parallel
 from rollout.engine.tp_workers import TPWorkers
-from rollout.engine.validation import check_lengths, check_request_id, normalize_params, to_token_ids
+from rollout.engine.validation import (
+    check_lengths,
+    check_request_id,
+    normalize_params,
+    normalize_prompts,
+    to_token_ids,
+)
 from rollout.engine.weight_sync import WeightSync
 from rollout.layers.backends import make_attention_backend
 from rollout.outputs import CompletionOutput, RequestOutput
@@ -223,10 +229,7 @@ class Engine:
         (each call gets its own outputs) and beside a thread calling ``step()``. If it raises (bad input:
         nothing was queued; a failed step or an interrupt: its requests are aborted), the engine is
         left consistent."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a list of str or of token-id lists, got {type(prompts).__name__}")
+        prompts = normalize_prompts(prompts)
         if not prompts:
             return []
         params = normalize_params(sampling_params, len(prompts))
