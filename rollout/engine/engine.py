@@ -186,8 +186,10 @@ class Engine:
             raise RuntimeError("scheduler has unfinished requests but nothing to run (bug)")
 
     def _update(self, pending: PendingStep) -> None:
+        first = self.counters.awaiting_first(pending.plan, self.scheduler.seqs)
         for request in self.scheduler.update_from_output(pending.plan, pending.result()):
             self._deliver(self._output(request))
+        self.counters.on_first_tokens(first)
 
     def _rollback(self) -> None:
         """A step raised: its samples and any in flight are lost; recompute every running sequence."""
@@ -355,7 +357,7 @@ class Engine:
             return EngineStats(s.num_running, s.num_waiting, self.block_manager.usage, c.steps, s.num_preemptions,
                                s.num_generated_tokens, c.prompt, c.scheduled, c.busy_frac(compute),
                                self.policy_version, compute, c.bytes, kv_bytes, self.kv.num_tokens, c.failed,
-                               c.kv_usage)
+                               c.kv_usage, c.first_tokens, c.started_prompt, c.prefix_cached)
 
 
 def build_runner(model: torch.nn.Module, kv: KVCache, c: EngineConfig, attn_backend: object, device: torch.device,
