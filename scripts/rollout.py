@@ -75,6 +75,7 @@ def _run_locked(job: JobConfig, writer: Any) -> Path:
     model_dir = setup.model_dir(job)
     tokenizer = setup.load_tokenizer(job.model.tokenizer or model_dir, explicit=job.model.tokenizer is not None)
     dataset = load_prompt_dataset(job.data, tokenizer, require_answer=reward_fn is not None)
+    bandwidth = setup.copy_bandwidth(job)  # before the engine takes its memory
     engine = setup.load_engine(job, model_dir, tokenizer)
     dataset.check(setup.prompt_limits(engine), params, where=f"data.path={job.data.path or 'embedded'!r}")
     logger = WandbLogger(job.logger.wandb, writer.dir, job.to_dict())  # may refuse (online, no account)
@@ -97,6 +98,7 @@ def _run_locked(job: JobConfig, writer: Any) -> Path:
         recompute_running=job.rollout.recompute_running,
         max_inflight_groups=job.rollout.max_inflight_groups,
         state=start.state,
+        copy_bandwidth=bandwidth,
     )
     exit_code = 1
     threads = torch_threads(job.rollout.torch_threads)

@@ -114,6 +114,12 @@ def load_config(raw: dict[str, Any]) -> tuple[JobConfig, TrainConfig, RolloutMod
         raise ValueError("rollout.mode=server needs train.trainer=grpo (TRLRollout over a RolloutClient)")
     if mode.mode == "server" and train.sleep_level:
         raise ValueError("train.sleep_level must be 0 with rollout.mode=server (the server has its own GPUs)")
+    if job.pool.replicas > 1:
+        if mode.mode != "engine" or train.trainer != "grpo":
+            raise ValueError(f"pool.replicas={job.pool.replicas} needs rollout.mode=engine and train.trainer=grpo "
+                             "(TRLRollout over the pool)")
+        if train.sleep_level:
+            raise ValueError("train.sleep_level must be 0 with pool.replicas > 1 (the replicas hold their own memory)")
     return job, train, mode
 
 
@@ -148,7 +154,7 @@ def train_grpo(job: JobConfig, train: TrainConfig, mode: RolloutMode | None = No
             raise ValueError(f"rollout.url={mode.url!r}: no rollout server answers there (start scripts/serve.py)")
         engine.device = torch.device(job.model.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     else:
-        engine = setup.make_engine(job, checkpoint, tokenizer)
+        engine = setup.make_engine(job, checkpoint, tokenizer, train.torch_threads)
     args = trainer_args(job, train, engine, report_to=setup.wandb_env(job.logger.wandb, out))
     run_config = {"job": job.to_dict(), "train": dataclasses.asdict(train)}
     rollout = None
@@ -180,6 +186,8 @@ def train_grpo(job: JobConfig, train: TrainConfig, mode: RolloutMode | None = No
         exit_code = 0
     finally:
         setup.finish_wandb(exit_code)
+        if job.pool.replicas > 1 and (mode is None or mode.mode == "engine"):
+            engine.shutdown()  # the pool's Ray actors
     log.info(steps.log.summary())
     return out
 

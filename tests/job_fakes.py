@@ -72,6 +72,9 @@ class FakeEngine:
                     out.policy_versions.append(self.policy_version)
                     self.stats.num_generated_tokens += 1
                     self.stats.num_scheduled_seqs += 1
+                    if out.index == 0 and len(out.token_ids) == 1:  # the request's first token
+                        self.stats.num_first_tokens += 1
+                        self.stats.num_started_prompt_tokens += len(prompt)
                     if len(out.token_ids) == want:
                         out.finish_reason = "length" if want == params.max_tokens else "stop"
                         out.text = f"so {len(prompt)}"

@@ -185,6 +185,24 @@ def test_engine_view_lets_the_job_actor_step_a_pool(pool) -> None:
     assert after.num_generated_tokens > before.num_generated_tokens and after.policy_version == pool.policy_version
 
 
+def test_job_actor_over_the_pool_logs_per_replica_metrics(pool) -> None:
+    from types import SimpleNamespace
+
+    from rollout.job.actor import RolloutActor
+    from rollout.job.data import Prompt
+    from rollout.pool.engine_view import PoolEngine
+
+    prompts = random_prompts(4, 256, hi=12, seed=12)
+    dataset = SimpleNamespace(tokenizer=None, get=lambda g: Prompt(g % 4, "", tuple(prompts[g % 4]), None))
+    actor = RolloutActor(PoolEngine(pool), dataset, SamplingParams(n=2, max_tokens=5, ignore_eos=True), num_prompts=4)
+    m = actor.run_round().metrics
+    assert m["pool/alive"] == 2 and m["num_samples"] == 8
+    for i in (0, 1):
+        assert m[f"pool/replica_{i}/alive"] == 1 and m[f"pool/replica_{i}/round_tokens_per_s"] >= 0
+        assert m[f"pool/replica_{i}/kv_cache_usage"] >= 0 and f"pool/replica_{i}/tokens_per_s" in m
+    assert m["ttft_mean_s"] > 0 and m["prefix_cache_hit_rate"] is not None
+
+
 def test_a_replica_found_dead_at_a_push_is_replaced_and_the_push_lands_everywhere(pool) -> None:
     pool.ray.kill(pool.members[1].actor, no_restart=True)  # dies between rounds, unnoticed
     trainer = make_tiny_hf_model("llama", seed=10)

@@ -84,3 +84,28 @@ def test_train_script_refuses_bad_config(tmp_path, override, message):
         from types import SimpleNamespace
 
         script.trainer_args(job, train, SimpleNamespace(device=SimpleNamespace(type="cpu")), ["none"])
+
+
+def test_grpo_generates_with_a_pool_of_two_replicas(tmp_path):
+    """pool.replicas=2 puts TRLRollout over a RolloutPool of two CPU Ray actors (about 30 s: Ray's start)."""
+    ray = pytest.importorskip("ray", reason="the pool needs Ray")
+    try:
+        out = load_script("train_grpo").run(compose(
+            "train_grpo", f"output_dir={tmp_path}", f"model.cache_dir={tmp_path / 'cache'}",
+            "logger.wandb.mode=disabled", "pool.replicas=2", "pool.gpus_per_replica=0", "train.steps=1",
+            "sampling.n=2", "sampling.max_tokens=4", "data.num_prompts=2",
+        ))
+    finally:
+        ray.shutdown()
+    (line,) = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert line["step"] == 1 and line["rollout/generated_tokens"] == 2 * 2 * 4 and "rollout/logprob_gap_max" in line
+
+
+@pytest.mark.parametrize("overrides, err", [
+    (("train.sleep_level=1",), "train.sleep_level must be 0 with pool.replicas > 1"),
+    (("train.trainer=async_grpo",), "needs rollout.mode=engine and train.trainer=grpo"),
+    (("rollout.mode=server",), "needs rollout.mode=engine and train.trainer=grpo"),
+])
+def test_pool_refuses_what_it_cannot_do(overrides, err):
+    with pytest.raises(ValueError, match=err):
+        load_script("train_grpo").load_config(_raw("pool.replicas=2", *overrides))

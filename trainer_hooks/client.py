@@ -27,7 +27,7 @@ import torch
 
 from rollout.engine.stats import EngineStats
 from rollout.engine.transfer_group import PushRejected, TransferError, TransferGroup, await_verdicts, cuda_device
-from rollout.engine.validation import normalize_params
+from rollout.engine.validation import normalize_params, normalize_prompts
 from rollout.engine.weight_transfer import BUCKET_BYTES, TensorSpec, dtype_name, send_weights
 from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.sampling_params import SamplingParams
@@ -138,10 +138,7 @@ class RolloutClient:
     # ---- generation --------------------------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: Any = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """``Engine.generate`` over HTTP: one completions request per prompt, sent concurrently."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a list of str or of token-id lists, got {type(prompts).__name__}")
+        prompts = normalize_prompts(prompts)
         if not prompts:
             return []
         params = normalize_params(sampling_params, len(prompts))

@@ -56,6 +56,10 @@ def policy_lag(current_version: int, completions_versions: Iterable[Sequence[int
 
 def engine_run_config(engine: Any) -> dict[str, Any]:
     """The engine's resolved settings (what ``auto`` / ``None`` became), for the run's config."""
+    if not hasattr(engine, "config") and hasattr(engine, "engine_factory"):  # a RolloutPool: its replicas' recipe
+        factory = engine.engine_factory
+        return {**dict(getattr(factory, "options", {}) or {}), "pool_replicas": len(engine.members),
+                "dtype": getattr(factory, "dtype", None), "device": str(getattr(engine, "device", None))}
     config = dataclasses.asdict(engine.config) if dataclasses.is_dataclass(engine.config) else {}
     config.update(
         dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device),

@@ -84,14 +84,32 @@ def load_tokenizer(job: JobConfig, checkpoint: Path) -> Any:
         raise ValueError(f"training needs a tokenizer; none loads from {where!r} ({e}); set model.tokenizer") from None
 
 
-def make_engine(job: JobConfig, checkpoint: Path, tokenizer: Any) -> Any:
+def make_engine(job: JobConfig, checkpoint: Path, tokenizer: Any, torch_threads: int | None = None) -> Any:
+    """The in-process engine, or with ``pool.replicas`` > 1 a ``RolloutPool`` of that many Ray actors (each
+    loads the checkpoint itself; ``generate`` and ``update_weights`` as an engine's, so ``TRLRollout`` takes it)."""
     from rollout import Engine
 
+    if job.pool.replicas > 1:
+        return make_pool(job, checkpoint, torch_threads)
     try:
         return Engine.from_pretrained(str(checkpoint), dtype=job.model.dtype, device=job.model.device,
                                       tokenizer=tokenizer, **dataclasses.asdict(job.engine))
     except (KeyError, OSError) as e:  # an architecture the engine lacks, a missing tensor
         raise ValueError(f"cannot load the model in {str(checkpoint)!r}: {e}") from None
+
+
+def make_pool(job: JobConfig, checkpoint: Path, torch_threads: int | None = None) -> Any:
+    import torch
+
+    from rollout.pool import EngineFactory
+    from rollout.pool.pool import RolloutPool
+
+    factory = EngineFactory(str(checkpoint), job.model.dtype, job.model.device, job.model.tokenizer or str(checkpoint),
+                            dataclasses.asdict(job.engine))
+    pool = RolloutPool(job.pool.replicas, factory, address=job.pool.address,
+                       gpus_per_replica=job.pool.gpus_per_replica, torch_threads=torch_threads)
+    pool.device = torch.device(job.model.device or ("cuda" if torch.cuda.is_available() else "cpu"))  # the trainer's
+    return pool
 
 
 def build_dataset(cfg: DataConfig, tokenizer: Any, reward: str) -> Any:

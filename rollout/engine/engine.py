@@ -32,7 +32,13 @@ from rollout.engine.stats import EngineStats, StepCounters
 from rollout.engine.stop import truncate_at_stop
 from rollout.engine.tp_runner import TPRunner, TPWeightSync, start_tensor_parallel
 from rollout.engine.tp_workers import TPWorkers
-from rollout.engine.validation import check_lengths, check_request_id, normalize_params, to_token_ids
+from rollout.engine.validation import (
+    check_lengths,
+    check_request_id,
+    normalize_params,
+    normalize_prompts,
+    to_token_ids,
+)
 from rollout.engine.weight_sync import WeightSync
 from rollout.layers.backends import make_attention_backend
 from rollout.outputs import CompletionOutput, RequestOutput
@@ -182,8 +188,10 @@ class Engine:
             raise RuntimeError("scheduler has unfinished requests but nothing to run (bug)")
 
     def _update(self, pending: PendingStep) -> None:
+        first = self.counters.awaiting_first(pending.plan, self.scheduler.seqs)
         for request in self.scheduler.update_from_output(pending.plan, pending.result()):
             self._deliver(self._output(request))
+        self.counters.on_first_tokens(first)
 
     def _rollback(self) -> None:
         """A step raised: its samples and any in flight are lost; recompute every running sequence."""
@@ -225,10 +233,7 @@ class Engine:
         (each call gets its own outputs) and beside a thread calling ``step()``. If it raises (bad input:
         nothing was queued; a failed step or an interrupt: its requests are aborted), the engine is
         left consistent."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a list of str or of token-id lists, got {type(prompts).__name__}")
+        prompts = normalize_prompts(prompts)
         if not prompts:
             return []
         params = normalize_params(sampling_params, len(prompts))
@@ -354,8 +359,9 @@ class Engine:
             return EngineStats(s.num_running, s.num_waiting, self.block_manager.usage, c.steps, s.num_preemptions,
                                s.num_generated_tokens, c.prompt, c.scheduled, c.busy_frac(compute),
                                self.policy_version, compute, c.bytes, kv_bytes, self.kv.num_tokens, c.failed,
-                               c.kv_usage, s.num_swap_outs, s.num_swapped_out_blocks,
-                               s.num_swapped_out_blocks * self.kv.block_bytes, s.num_swap_ins)
+                               c.kv_usage, c.first_tokens, c.started_prompt, c.prefix_cached, s.num_swap_outs,
+                               s.num_swapped_out_blocks, s.num_swapped_out_blocks * self.kv.block_bytes,
+                               s.num_swap_ins)
 
 
 def build_runner(model: torch.nn.Module, kv: KVCache, c: EngineConfig, attn_backend: object, device: torch.device,

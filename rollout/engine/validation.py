@@ -7,6 +7,15 @@ from collections.abc import Sequence as Seq
 from rollout.sampling_params import SamplingParams
 
 
+def normalize_prompts(prompts: object) -> list:
+    """What every ``generate`` accepts: one str, or a list / tuple of prompts (str or token-id lists)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a list of str or of token-id lists, got {type(prompts).__name__}")
+    return list(prompts)
+
+
 def normalize_params(sampling_params: object, num_prompts: int) -> list[SamplingParams]:
     if sampling_params is None:
         sampling_params = SamplingParams()

@@ -18,6 +18,7 @@ Two modes:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -26,7 +27,7 @@ from typing import Any
 
 from rollout.job.data import Prompt, PromptDataset
 from rollout.job.rewards import RewardFn
-from rollout.job.round_metrics import RoundTrace, round_metrics
+from rollout.job.round_metrics import PoolMeter, RoundTrace, round_metrics
 from rollout.job.seeds import request_seed
 from rollout.job.trajectory import Trajectory, group_trajectories
 from rollout.sampling_params import SamplingParams
@@ -72,10 +73,12 @@ class RolloutActor:
         recompute_running: bool = True,
         max_inflight_groups: int | None = None,
         state: dict[str, Any] | None = None,
+        copy_bandwidth: float | None = None,
     ) -> None:
         """``seed``: the job seed; each request's seed derives from it, the round and the group, so a
         resumed run repeats an uninterrupted one (None leaves unseeded requests to the engine).
-        ``state``: a previous run's ``state()`` after its last complete round (partial mode's resume)."""
+        ``state``: a previous run's ``state()`` after its last complete round (partial mode's resume).
+        ``copy_bandwidth``: the device's measured bytes/s (``rollout.job.bandwidth``), for the floor ratio."""
         if num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
         if start_round < 0:
@@ -99,6 +102,9 @@ class RolloutActor:
             self._next_group = int(state["next_group"])
             self._regenerate = sorted(int(g) for g in state["inflight_groups"])
         self._in_round = False
+        self.copy_bandwidth = copy_bandwidth
+        self._awaiting_first: dict[str, float] = {}  # request id -> submission time, in submission order
+        self._pool_meter = PoolMeter() if hasattr(getattr(engine, "pool", None), "stats") else None
 
     @property
     def partial(self) -> bool:
@@ -133,7 +139,8 @@ class RolloutActor:
     def run_round(self) -> RoundResult:
         """Hand out ``num_prompts`` finished groups (drain: exactly this round's), scored, with metrics."""
         r = self.round
-        before, trace = self.engine.get_stats(), RoundTrace(time.perf_counter())
+        before = self.engine.get_stats()
+        trace = RoundTrace(time.perf_counter(), first_tokens=before.num_first_tokens)
         self._in_round = True
         try:
             if self.partial:
@@ -149,7 +156,10 @@ class RolloutActor:
         trajectories = [t for g in handed for t in self._rows(r, g)]
         trace.carried_over_groups = len(self._running) + len(self._ready) + len(self._regenerate)
         trace.carried_over_tokens = self._carried_tokens()
-        metrics = round_metrics(r, trajectories, before, self.engine.get_stats(), trace, t1, self.partial)
+        metrics = round_metrics(r, trajectories, before, self.engine.get_stats(), trace, t1, self.partial,
+                                self.copy_bandwidth)
+        if self._pool_meter is not None:
+            metrics.update(self._pool_meter.metrics(self.engine.pool.stats(), t1 - trace.t0))
         self.round += 1
         return RoundResult(r, trajectories, metrics, list(trace.staleness))
 
@@ -162,6 +172,7 @@ class RolloutActor:
                 rid = f"round{r}-group{g}"
                 self.engine.add_request(list(prompt.token_ids), self._params(r, g), rid)
                 self._running[rid] = _Group(g, prompt, rid)
+                self._awaiting_first[rid] = time.perf_counter()
         except Exception:
             self._withdraw_all()
             raise
@@ -188,6 +199,7 @@ class RolloutActor:
         for rid in self._running:
             self.engine.abort(rid)
         self._running.clear()
+        self._awaiting_first.clear()
         while self.engine.has_unfinished_requests():  # drain the aborted outputs
             self.engine.step()
 
@@ -218,6 +230,7 @@ class RolloutActor:
             if partial is not None and self._too_stale(partial):
                 self.engine.abort(rid)  # its "abort" output comes back from a later step and is ignored
                 del self._running[rid]
+                self._awaiting_first.pop(rid, None)
                 self._discard(group, trace)
 
     def _carried_tokens(self) -> int:
@@ -245,9 +258,11 @@ class RolloutActor:
                 outs = self.engine.step()
                 steps += 1
                 stats = self.engine.get_stats()
-                trace.steps.append((time.perf_counter(), stats.num_scheduled_seqs - scheduled))
+                now = time.perf_counter()
+                trace.steps.append((now, stats.num_scheduled_seqs - scheduled))
                 scheduled = stats.num_scheduled_seqs
                 trace.kv.append(stats.kv_cache_usage)
+                self._observe_first_tokens(outs, stats, trace, now)
                 for out in outs:
                     group = self._running.pop(out.request_id, None)
                     if group is not None:  # else: a group withdrawn for staleness
@@ -262,6 +277,21 @@ class RolloutActor:
             if bar is not None:
                 bar.close()
         return sorted(handed, key=lambda g: g.group_id)
+
+    def _observe_first_tokens(self, outs: list[Any], stats: Any, trace: RoundTrace, now: float) -> None:
+        """Time to first token. The engine counts the requests whose first token landed; it admits in
+        arrival order, so beyond the ones that just finished those are the oldest still waiting (exact
+        when a round's requests are submitted together, as in drain mode). On a pool the step returns
+        only when a group finishes, so there it is the time until seen."""
+        new = stats.num_first_tokens - trace.first_tokens
+        trace.first_tokens = stats.num_first_tokens
+        for out in outs:
+            t = self._awaiting_first.pop(out.request_id, None)
+            if t is not None:
+                trace.ttft.append(now - t)
+                new -= 1
+        for rid in list(itertools.islice(self._awaiting_first, max(new, 0))):
+            trace.ttft.append(now - self._awaiting_first.pop(rid))
 
     def _take_ready(self, handed: list[_Group], trace: RoundTrace, bar: Any = None) -> None:
         """Move finished groups (oldest first) to ``handed`` up to ``num_prompts``; the rest wait."""

@@ -91,6 +91,16 @@ def load_tokenizer(path: str | Path, explicit: bool) -> Any:
     return AutoTokenizer.from_pretrained(str(p))
 
 
+def copy_bandwidth(job: JobConfig) -> float | None:
+    """The device's copy bandwidth for the floor ratio: an in-process CUDA engine only (None on the CPU and for
+    a pool, whose replicas run elsewhere)."""
+    if getattr(job, "pool", None) is not None and job.pool.replicas > 1:
+        return None
+    from rollout.job.bandwidth import copy_bandwidth as measure
+
+    return measure(job.model.device)
+
+
 def load_engine(job: JobConfig, model_path: Path, tokenizer: Any) -> Any:
     from rollout import Engine
 

@@ -50,6 +50,7 @@ class WandbLogger:
             ) from None
         self.run.define_metric("round")
         self.run.define_metric("round/*", step_metric="round")
+        self.run.define_metric("pool/*", step_metric="round")
         self.run.define_metric("engine_step")
         self.run.define_metric("step/*", step_metric="engine_step")
 
@@ -63,14 +64,15 @@ class WandbLogger:
         return Path(self.run.dir).parent if self.run is not None else None
 
     def log_round(self, metrics: Mapping[str, Any], histograms: Mapping[str, Sequence[float]]) -> None:
-        """Scalars as ``round/<key>``; each list in ``histograms`` (e.g. completion_len, staleness) as
-        ``round/<name>_hist`` (metrics.jsonl keeps its own dict form, such as staleness_hist)."""
+        """Scalars as ``round/<key>`` (a pool's ``pool/...`` keys as they are); each list in ``histograms``
+        (e.g. completion_len, staleness) as ``round/<name>_hist`` (metrics.jsonl keeps its own dict form,
+        such as staleness_hist)."""
         if self.run is None:
             return
         row: dict[str, Any] = {"round": metrics["round"]}
         for key, value in metrics.items():
             if key != "round" and value is not None and not isinstance(value, Mapping):
-                row[f"round/{key}"] = value
+                row[key if key.startswith("pool/") else f"round/{key}"] = value
         for name, values in histograms.items():
             if values:
                 row[f"round/{name}_hist"] = self.wandb_module.Histogram(list(values))

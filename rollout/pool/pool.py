@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from rollout.engine.stats import EngineStats
-from rollout.engine.validation import normalize_params
+from rollout.engine.validation import normalize_params, normalize_prompts
 from rollout.outputs import RequestOutput
 from rollout.pool import ray_setup
 from rollout.pool import transfer as pool_transfer
@@ -152,10 +152,7 @@ class RolloutPool:
 
     def generate_iter(self, prompts: Any, sampling_params: Any = None) -> Iterator[tuple[int, RequestOutput]]:
         """(input index, RequestOutput) as groups finish: each group exactly once, whatever replicas die."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a list of str or of token-id lists, got {type(prompts).__name__}")
+        prompts = normalize_prompts(prompts)
         if not prompts:
             return
         params = [self._seeded(p) for p in normalize_params(sampling_params, len(prompts))]
