@@ -188,10 +188,8 @@ class Engine:
             raise RuntimeError("scheduler has unfinished requests but nothing to run (bug)")
 
     def _update(self, pending: PendingStep) -> None:
-        first = self.counters.awaiting_first(pending.plan, self.scheduler.seqs)
         for request in self.scheduler.update_from_output(pending.plan, pending.result()):
             self._deliver(self._output(request))
-        self.counters.on_first_tokens(first)
 
     def _rollback(self) -> None:
         """A step raised: its samples and any in flight are lost; recompute every running sequence."""
@@ -359,7 +357,8 @@ class Engine:
             return EngineStats(s.num_running, s.num_waiting, self.block_manager.usage, c.steps, s.num_preemptions,
                                s.num_generated_tokens, c.prompt, c.scheduled, c.busy_frac(compute),
                                self.policy_version, compute, c.bytes, kv_bytes, self.kv.num_tokens, c.failed,
-                               c.kv_usage, c.first_tokens, c.started_prompt, c.prefix_cached, s.num_swap_outs,
+                               c.kv_usage, s.num_first_tokens, s.num_started_prompt_tokens, s.num_prefix_cached_tokens,
+                               s.num_swap_outs,
                                s.num_swapped_out_blocks, s.num_swapped_out_blocks * self.kv.block_bytes,
                                s.num_swap_ins)
 

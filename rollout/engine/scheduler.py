@@ -55,6 +55,9 @@ class Scheduler:
         self.seqs: dict[int, Sequence] = {}
         self.num_preemptions = 0
         self.num_generated_tokens = 0  # samples applied to a live sequence (late, dropped ones not counted)
+        # Requests whose first token landed, their prompt tokens, and how many of those the prefix cache held
+        # (time to first token and the hit rate are windows over these).
+        self.num_first_tokens = self.num_started_prompt_tokens = self.num_prefix_cached_tokens = 0
         self.num_swapped_out_blocks = 0
         self.num_swap_outs = 0  # preemptions by swap (sequences)
         self.num_swap_ins = 0
@@ -263,6 +266,10 @@ class Scheduler:
             seq.logprobs.append(lp)
             seq.policy_versions.append(plan.policy_version)
             self.num_generated_tokens += 1
+            if seq.index == 0 and len(seq.logprobs) == 1:  # the request's first token
+                self.num_first_tokens += 1
+                self.num_started_prompt_tokens += seq.num_prompt_tokens
+                self.num_prefix_cached_tokens += min(seq.num_cached_tokens, seq.num_prompt_tokens)
             stop = check_stop(seq, self.detokenize)
             if stop is not None:
                 self.finish(seq, *stop)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from rollout.engine.plan import BatchPlan
 
@@ -49,9 +47,6 @@ class StepCounters:
     bytes: int = 0
     failed: int = 0
     kv_usage: float = 0.0  # block usage summed over launched steps
-    first_tokens: int = 0
-    started_prompt: int = 0
-    prefix_cached: int = 0
     t_first: float | None = None
     t_last: float = 0.0
 
@@ -71,23 +66,3 @@ class StepCounters:
         if not compute_s or self.t_first is None or self.t_last <= self.t_first:
             return None
         return min(1.0, compute_s / (self.t_last - self.t_first))
-
-    @staticmethod
-    def awaiting_first(plan: BatchPlan, seqs: Mapping[int, Any]) -> list[Any]:
-        """Sample 0 of each request this plan draws its first token for (counted by ``on_first_tokens``
-        once the token has landed: an aborted request's dropped sample does not count)."""
-        found = []
-        for sp in plan.seqs:
-            if sp.sample and sp.sample_pos == 0:
-                seq = seqs.get(sp.seq_id)
-                if seq is not None and seq.index == 0 and not seq.logprobs:
-                    found.append(seq)
-        return found
-
-    def on_first_tokens(self, seqs: Iterable[Any]) -> None:
-        """Requests whose first token landed, their prompt tokens and how many of those the prefix cache held."""
-        for seq in seqs:
-            if seq.logprobs:
-                self.first_tokens += 1
-                self.started_prompt += seq.num_prompt_tokens
-                self.prefix_cached += min(seq.num_cached_tokens, seq.num_prompt_tokens)

@@ -112,6 +112,7 @@ def round_metrics(
         "regenerated_groups": trace.regenerated_groups,
         "carried_over_groups": trace.carried_over_groups,
         "carried_over_tokens": trace.carried_over_tokens,
+        "ttft_requests": len(trace.ttft),
         "ttft_mean_s": sum(trace.ttft) / len(trace.ttft) if trace.ttft else None,
         "ttft_p90_s": percentile(trace.ttft, 90),
         **engine_window_metrics(before, after, copy_bandwidth),
