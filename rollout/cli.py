@@ -8,11 +8,38 @@ from a checkout (``pip install -e .``, which ``make`` does).
 
 from __future__ import annotations
 
+import logging
+import os
 import runpy
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+USER_ERRORS = (ValueError, FileNotFoundError)  # what a user can get wrong: `error: ...` and exit 2
+
+
+def run_or_exit(run: Callable[[Any], object], cfg: Any, log: logging.Logger) -> None:
+    """Run a script's job; a user error ends it with ``error: ...`` on stderr (once) and in Hydra's log file,
+    and exit status 2, never a traceback."""
+    try:
+        run(cfg)
+    except USER_ERRORS as e:
+        message = f"error: {e}"
+        record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.FileHandler):
+                handler.handle(record)
+        print(message, file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def quiet_progress_bars() -> None:
+    """Third-party progress bars (dataset split generation, checkpoint writing) off; ours stay."""
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
 def _run_script(name: str) -> None:

@@ -29,9 +29,9 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
+from rollout.cli import quiet_progress_bars, run_or_exit  # noqa: E402
 from rollout.job.config import JobConfig  # noqa: E402
 
-USER_ERRORS = (ValueError, FileNotFoundError)
 log = logging.getLogger("rollout")
 
 
@@ -142,24 +142,9 @@ def _summary(m: dict[str, Any]) -> str:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except USER_ERRORS as e:
-        _to_log_files(f"error: {e}")
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-
-
-def _to_log_files(message: str) -> None:
-    """Record an error in Hydra's log file too; the console already gets it on stderr, once."""
-    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(record)
+    run_or_exit(run, cfg, log)
 
 
 if __name__ == "__main__":
-    # Quiet third-party progress bars (dataset split generation, checkpoint writing); ours stays.
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    quiet_progress_bars()
     main()

@@ -10,6 +10,7 @@ is checked before loading; the script then prints ``error: ...`` and exits with 
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -24,9 +25,10 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 import rollout.job.setup as setup  # noqa: E402
+from rollout.cli import quiet_progress_bars, run_or_exit  # noqa: E402
 from rollout.serve.config import ServeConfig  # noqa: E402
 
-USER_ERRORS = (ValueError, FileNotFoundError)
+log = logging.getLogger("rollout.serve")
 
 
 def load_config(cfg: DictConfig) -> ServeConfig:
@@ -58,13 +60,9 @@ def run(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="serve")
 def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    run_or_exit(run, cfg, log)
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    quiet_progress_bars()
     main()

@@ -40,13 +40,13 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
+from rollout.cli import quiet_progress_bars, run_or_exit  # noqa: E402
 from rollout.job.config import JobConfig  # noqa: E402
 from trainer_hooks import train_setup as setup  # noqa: E402
 from trainer_hooks.engine_metrics import StepTimes  # noqa: E402
 
 log = logging.getLogger("rollout.train")
 TRAINERS = ("grpo", "async_grpo")
-USER_ERRORS = (ValueError, FileNotFoundError)
 # GRPOConfig fields this script derives from other keys: set those keys instead.
 DERIVED = {
     "output_dir": "output_dir", "max_steps": "train.steps", "learning_rate": "train.learning_rate",
@@ -279,18 +279,12 @@ class StepCallback(TrainerCallback):
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train_grpo")
 def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except USER_ERRORS as e:
-        log.error("error: %s", e)
-        sys.exit(2)
+    run_or_exit(run, cfg, log)
 
 
 def cli() -> None:
     """Console entry point (``rollout-train-grpo``)."""
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    quiet_progress_bars()
     main()
 
 

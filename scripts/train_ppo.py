@@ -31,13 +31,13 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
+from rollout.cli import quiet_progress_bars, run_or_exit  # noqa: E402
 from rollout.job.config import JobConfig  # noqa: E402
 from trainer_hooks import train_setup as setup  # noqa: E402
 from trainer_hooks.engine_metrics import StepTimes  # noqa: E402
 from trainer_hooks.ppo import PPO_FIELDS, PPOConfig  # noqa: E402
 
 log = logging.getLogger("rollout.train")
-USER_ERRORS = (ValueError, FileNotFoundError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,17 +140,12 @@ def train_ppo(job: JobConfig, train: TrainConfig, on_push: Any = None) -> Path:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train_ppo")
 def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except USER_ERRORS as e:
-        log.error("error: %s", e)
-        sys.exit(2)
+    run_or_exit(run, cfg, log)
 
 
 def cli() -> None:
     """Console entry point (``rollout-train-ppo``)."""
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    quiet_progress_bars()
     main()
 
 
