@@ -244,9 +244,13 @@ def test_async_grpo_trainer_runs_on_the_engine(tok, tmp_path):
     assert abs(first["kl"]) < 1e-6 and abs(first["ratio"] - 1) < 1e-5, first
     assert first["sampling/sampling_logp_difference/max"] < 1e-4, first  # fp32: the engine's logprobs are exact
     assert abs(first["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4
-    for log in logs.logs:
-        assert {"rollout/tokens_per_s", "rollout/kv_cache_usage_mean", "rollout/policy_lag_max",
-                "rollout/logprob_gap_max", "rollout/weight_push_s"} <= set(log), sorted(log)
+    for log in logs.logs:  # every optimizer step computes the gap and pushes weights
+        assert {"rollout/logprob_gap_max", "rollout/weight_push_s"} <= set(log), sorted(log)
+    # The engine's window metrics arrive when a group finishes; a step served from groups already buffered
+    # logs none, so they are checked over the run (group 0's are queued before group 1 finishes, i.e. before
+    # the first batch is complete).
+    logged = set().union(*map(set, logs.logs))
+    assert {"rollout/tokens_per_s", "rollout/kv_cache_usage_mean", "rollout/policy_lag_max"} <= logged, sorted(logged)
     assert not engine.has_unfinished_requests() and not trainer.rollout_worker.running
     # After the last sync the engine serves exactly the trained weights.
     trained = _tiny(tok)  # plain attention: the trainer's copy is wired for packed tree batches
