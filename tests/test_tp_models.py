@@ -158,3 +158,30 @@ def test_sizes_that_do_not_divide_are_named():
     with pytest.raises(ValueError, match=r"vocab_size \(250\)"):
         check_tp_shapes(shape(vocab_size=250), 4)
     check_tp_shapes(shape(num_key_value_heads=1), 4)  # one KV head: replicated
+
+
+def test_a_rank_measures_its_step_memory_alone(monkeypatch):
+    """The KV sizing runs dummy steps on each rank by itself (rank 0 in the engine, a worker as it builds its
+    cache): their collectives must stay local, or the rank waits in NCCL for peers that never join."""
+    from rollout.engine import memory_profile
+    from rollout.engine.memory_profile import dummy_step, local_collectives
+
+    hf = make_tiny_hf_model("qwen2")
+    model = get_model_class(hf.config)(hf.config, _fake_rank(0))  # no peer will ever join a collective
+    load_named_tensors(model, hf.named_parameters())
+    caches = make_kv_caches(model, 1, BLOCK_SIZE, torch.float32)
+    backend = TorchAttentionBackend()
+    with pytest.raises((RuntimeError, TypeError, AttributeError, ValueError)):  # a real collective: no group
+        dummy_step(model, caches, backend, [3, 1], 4, torch.device("cpu"))
+    with local_collectives(model):
+        tokens, logprobs = dummy_step(model, caches, backend, [3, 1], 4, torch.device("cpu"))
+    assert tokens.shape == (2,) and bool(torch.isfinite(logprobs).all())
+    assert model.tp.communicates  # local mode ends with the block
+
+    seen = []
+    monkeypatch.setattr(memory_profile, "_step_peak", lambda m, *a: seen.append(m.tp.communicates) or 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    config = SimpleNamespace(attention_backend="torch", block_size=BLOCK_SIZE, kv_cache_dtype="auto",
+                             cuda_graphs=False, max_num_seqs=2, max_num_batched_tokens=8)
+    memory_profile.measure_step_workspace(model, config, torch.device("cpu"), 16, caches)
+    assert seen and not any(seen)

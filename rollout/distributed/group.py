@@ -8,7 +8,9 @@ they can be captured inside CUDA graphs once warmed up.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -24,6 +26,7 @@ class TPGroup:
     rank: int
     world_size: int
     group: Any = None  # a torch.distributed ProcessGroup; None only when world_size == 1
+    _mode: _Mode = field(default_factory=lambda: _Mode(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -69,9 +72,26 @@ class TPGroup:
         """This rank's equal part of ``n`` items; ``what`` names them in the error when ``n`` does not divide."""
         return split_evenly(n, self.rank, self.world_size, what)
 
+    @property
+    def communicates(self) -> bool:
+        """Whether collectives reach the other ranks now (not inside ``local()``)."""
+        return self.world_size > 1 and not self._mode.local
+
+    @contextlib.contextmanager
+    def local(self) -> Iterator[None]:
+        """Collectives become local stand-ins with the same shapes and allocations (all_reduce leaves
+        ``x`` as it is, all_gather repeats this rank's part), for work one rank does alone while its
+        peers do something else: the KV sizing's dummy steps, which only measure memory. A real
+        collective there would wait for peers that never join it."""
+        before, self._mode.local = self._mode.local, True
+        try:
+            yield
+        finally:
+            self._mode.local = before
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place; returns ``x``."""
-        if self.world_size > 1:
+        if self.communicates:
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -80,14 +100,26 @@ class TPGroup:
         if self.world_size == 1:
             return x[None]
         out = torch.empty(self.world_size * x.numel(), dtype=x.dtype, device=x.device)
-        _all_gather_single(out, x.contiguous().view(-1), group=self.group)  # flat: gloo takes no stacked form
+        if self.communicates:
+            _all_gather_single(out, x.contiguous().view(-1), group=self.group)  # flat: gloo takes no stacked form
+        else:
+            out.view(self.world_size, -1).copy_(x.reshape(1, -1).expand(self.world_size, -1))
         return out.view(self.world_size, *x.shape)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s ``x`` everywhere, in place; returns ``x``."""
-        if self.world_size > 1:
+        if self.communicates:
             dist.broadcast(x, group=self.group, group_src=src)
         return x
+
+
+class _Mode:
+    """The group's one switch (``TPGroup.local``), kept apart so the group itself stays frozen."""
+
+    __slots__ = ("local",)
+
+    def __init__(self) -> None:
+        self.local = False
 
 
 def split_evenly(n: int, rank: int, world_size: int, what: str) -> slice:

@@ -11,10 +11,16 @@ top-k/top-p/min-p and suppressed ids all on), and reads the allocator's peak:
 * a mixed step of ``max_num_batched_tokens`` new tokens over up to ``max_num_seqs`` sequences.
 
 The dummy steps write no K/V (every slot is -1) and read one zeroed block, so they need no real
-cache. Only CUDA is measured; the CPU keeps its fixed ``cpu_kv_cache_gib`` budget.
+cache. Only CUDA is measured; the CPU keeps its fixed ``cpu_kv_cache_gib`` budget. A tensor-parallel
+rank measures alone (rank 0 in the engine, each worker as it builds its cache), so its collectives run
+as local stand-ins of the same shapes (``TPGroup.local``): real ones would wait for peers doing other
+work, for ever.
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Any
 
 import torch
 
@@ -27,6 +33,12 @@ from rollout.layers.sampler import MODE_POLICY, SamplingTensors
 MARGIN_FRACTION = 0.05  # allocator fragmentation, per-stream cuBLAS workspaces, IO slots
 MARGIN_BYTES = 256 * 2**20
 MAX_SUPPRESS = 16  # the CUDA runner's suppressed ids per row in a graph
+
+
+def local_collectives(model: torch.nn.Module) -> Any:
+    """The model's tensor-parallel group in local mode (a no-op context for an unsharded model)."""
+    tp = getattr(model, "tp", None)
+    return tp.local() if tp is not None else contextlib.nullcontext()
 
 
 def _largest_graph_batch(config: EngineConfig) -> int:
@@ -124,12 +136,14 @@ def measure_step_workspace(model: torch.nn.Module, config: EngineConfig, device:
     graphs = config.cuda_graphs if config.cuda_graphs is not None else backend.name != "torch"
     max_blocks = -(-max_model_len // config.block_size)
     seqs = config.max_num_seqs
-    eager = max(
-        _step_peak(model, dummy_caches, backend, [1] * seqs, max_blocks, device),
-        _step_peak(model, dummy_caches, backend, mixed_q_lens(config, max_model_len), max_blocks, device),
-    )
-    graph_b = _largest_graph_batch(config) if graphs else 0
-    pool = _step_peak(model, dummy_caches, backend, [1] * graph_b, max_blocks, device) if graph_b else 0
+    # Each tensor-parallel rank sizes its own cache alone: its collectives must not wait for peers.
+    with local_collectives(model):
+        eager = max(
+            _step_peak(model, dummy_caches, backend, [1] * seqs, max_blocks, device),
+            _step_peak(model, dummy_caches, backend, mixed_q_lens(config, max_model_len), max_blocks, device),
+        )
+        graph_b = _largest_graph_batch(config) if graphs else 0
+        pool = _step_peak(model, dummy_caches, backend, [1] * graph_b, max_blocks, device) if graph_b else 0
     torch.cuda.empty_cache()
     need = eager + pool
     return int(need * (1 + MARGIN_FRACTION)) + MARGIN_BYTES
