@@ -104,6 +104,11 @@ def test_rejected_pushes_leave_the_old_weights_serving(env):
     bad["model.norm.weight"][0] = float("nan")  # only visible once the data arrived
     with pytest.raises(RequestRejected, match="finite"):
         env.client.push_weights(bad)
+    unpacked = {"/init_weight_transfer": {"master_address": "127.0.0.1", "master_port": 1, "packed": False},
+                "/update_weights": {"names": [], "dtype_names": [], "shapes": [], "packed": False}}
+    for path, body in unpacked.items():  # refused before anything joins or waits for tensors
+        status, text = env.server.post(path, json.dumps(body))
+        assert status == 400 and "packed=false is not supported" in text, (path, status, text)
     assert _served(env) == before and env.client.policy_version == 50
     assert env.client.push_weights(current, version=51) == 51  # the same group takes the next push
     _assert_serves(env, current)
