@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -13,25 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from safetensors.torch import save_file
 
 from rollout.assets import materialize_default_model
 from rollout.job.trajectory_writer import read_trajectories
+from tests.script_helpers import ROOT, compose, load_script
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "rollout.py"
 TINY = ["sampling.max_tokens=3", "logger.progress=false"]
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("rollout_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-script = _load_script()
+script = load_script("rollout")
 
 
 @pytest.fixture(scope="session")
@@ -43,17 +32,8 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 def run_composed(output_dir: Path, cache_dir: Path, *overrides: str, wandb: str = "disabled") -> Path:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(
-            "config",
-            overrides=[
-                f"output_dir={output_dir}",
-                f"model.cache_dir={cache_dir}",
-                f"logger.wandb.mode={wandb}",
-                *TINY,
-                *overrides,
-            ],
-        )
+    cfg = compose("config", f"output_dir={output_dir}", f"model.cache_dir={cache_dir}", f"logger.wandb.mode={wandb}",
+                  *TINY, *overrides)
     return script.run(cfg)
 
 
