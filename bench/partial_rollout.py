@@ -1,7 +1,7 @@
 """Partial vs drain rollouts through the actor on W2-shaped lengths (issue 14's bar): one JSON line per mode.
 
     python bench/partial_rollout.py --modes drain,partial --out bench/results/partial_w2.jsonl     # H200
-    python bench/partial_rollout.py --preset tiny --prompts 4 --n 2 --new 48 --rounds 3            # CPU smoke
+    python bench/partial_rollout.py --preset tiny --prompts 4 --n 2 --new 48 --rounds 3 --prompt-len 64  # CPU
 
 W2's shape: qwen2.5-1.5b (random init, bf16), 512-token prompts, ``--prompts`` groups of ``--n`` handed
 out per round, each group's length log-uniform in [256, --new] (fixed per group: ignore_eos), and a push of
