@@ -7,7 +7,6 @@ from pathlib import Path
 
 import datasets
 import pytest
-from transformers import AutoTokenizer
 
 from rollout.assets import assets_dir, check_checkpoint_dir, materialize_default_model
 from rollout.job.actor import RolloutActor
@@ -18,11 +17,6 @@ from rollout.job.rewards import exact_match
 from rollout.job.trajectory_writer import TrajectoryWriter, read_trajectories
 from rollout.sampling_params import SamplingParams
 from tests.job_fakes import FakeEngine
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(assets_dir())
 
 
 def rows_dataset(tokenizer, prompts, answers=None, **kw) -> PromptDataset:
@@ -210,11 +204,6 @@ def test_unwritable_output_dir(tmp_path: Path) -> None:
 
 
 # ---- the embedded default model and the real engine ---------------------------------------------------
-@pytest.fixture(scope="module")
-def default_model(tmp_path_factory) -> Path:
-    return materialize_default_model(tmp_path_factory.mktemp("cache"))
-
-
 def test_default_model_is_cached_and_a_checkpoint(default_model: Path, tmp_path: Path) -> None:
     assert check_checkpoint_dir(default_model) == default_model
     assert materialize_default_model(default_model.parent) == default_model  # built once
@@ -225,18 +214,7 @@ def test_default_model_is_cached_and_a_checkpoint(default_model: Path, tmp_path:
         check_checkpoint_dir(tmp_path)
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models on a shared CPU: one intra-op thread is several times faster (as the job sets it)."""
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-def test_real_engine_round_and_weight_swap(default_model: Path, tokenizer, one_thread) -> None:
+def test_real_engine_round_and_weight_swap(default_model: Path, tokenizer) -> None:
     from rollout import Engine
 
     engine = Engine.from_pretrained(str(default_model), dtype="float32", device="cpu", max_num_seqs=16)
