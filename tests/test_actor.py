@@ -231,3 +231,15 @@ def test_real_engine_round_and_weight_swap(default_model: Path, tokenizer) -> No
     hf = AutoModelForCausalLM.from_pretrained(default_model)
     assert actor.update_weights(hf.named_parameters(), version=3) == 3
     assert {t.policy_version for t in actor.run_round().trajectories} == {3}
+
+
+def test_building_the_default_model_leaves_the_callers_random_state(tmp_path) -> None:
+    """A run seeds torch, then builds the default model: with a cold cache the build used to reseed the
+    global generator, so the run's later draws (PPO's value head) depended on whether the cache was warm."""
+    import torch
+
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    materialize_default_model(tmp_path / "cold")
+    assert torch.equal(torch.rand(3), expected)
