@@ -136,12 +136,14 @@ class PartialRollouts:
                group: PartialGroup | None = None) -> PartialGroup:
         if group is None:
             group = PartialGroup(self._next_id, prompt, list(prompt_ids), columns)
+        request_id = f"trl-group{group.group_id}-{self._requests}"
+        self.engine.add_request(list(group.prompt_ids), params, request_id)  # a refused prompt raises here
+        self._requests += 1
+        if group.group_id == self._next_id:
             self._next_id += 1
             self.groups[group.group_id] = group
-        group.request_id = f"trl-group{group.group_id}-{self._requests}"
-        self._requests += 1
-        self.engine.add_request(list(group.prompt_ids), params, group.request_id)
-        self._running[group.request_id] = group
+        group.request_id = request_id
+        self._running[request_id] = group
         return group
 
     def _drive(self, wanted: int, params: Any, trace: RoundTrace) -> list[PartialGroup]:
