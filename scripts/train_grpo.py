@@ -8,6 +8,8 @@
     rollout-train-grpo train.sleep_level=1                    # co-located: the engine frees its KV cache
                                                               # while the trainer trains
     rollout-train-grpo rollout.mode=server rollout.url=http://127.0.0.1:8000  # against scripts/serve.py
+    rollout-train-grpo rollout.mode=partial rollout.max_staleness=2           # partial rollouts: no step waits
+                                                              # for its batch's longest group
 
 (``python -m scripts.train_grpo ...`` from the repo root does the same.) Configured like the main job
 (conf/train_grpo.yaml reuses its groups and presets). The engine's logprobs feed TRL's importance-sampling
@@ -40,6 +42,7 @@ from omegaconf import DictConfig  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from rollout.cli import quiet_progress_bars, resolved_config, run_or_exit  # noqa: E402
+from rollout.job.checks import check_bool, check_choice, check_int, fail  # noqa: E402
 from rollout.job.config import JobConfig  # noqa: E402
 from trainer_hooks import train_setup as setup  # noqa: E402
 from trainer_hooks.engine_metrics import StepTimes  # noqa: E402
@@ -84,16 +87,45 @@ class TrainConfig:
         setup.check("grpo", isinstance(self.grpo, dict), self.grpo, "a mapping of GRPOConfig fields")
 
 
+ROLLOUT_MODES = ("engine", "partial", "server")
+
+
 @dataclass(frozen=True, slots=True)
 class RolloutMode:
-    mode: str = "engine"  # engine: in this process; server: a running scripts/serve.py at `url`
+    """Where and how generation runs. ``engine``: in this process, each step waits for all its groups;
+    ``partial``: in this process, partial rollouts (the main job's ``rollout.mode=partial``: complete groups
+    handed out as they finish, the rest carried into later steps; ``TRLRollout(mode="partial")`` / the async
+    worker's staleness control); ``server``: a running scripts/serve.py at ``url``. The other keys are the
+    main job's partial-mode keys (conf/rollout/default.yaml)."""
+
+    mode: str = "engine"
     url: str = "http://127.0.0.1:8000"
+    max_inflight_groups: int | None = None  # partial, grpo: groups in the engine at a step's start; null = 2x its
+    max_staleness: int | None = None  # partial: max versions between a group's oldest token and the weights
+    stale_groups: str = "drop"  # partial, grpo: a group over max_staleness is dropped (counted) | regenerated
+    recompute_running: bool = True  # partial: carried-over KV recomputed under new weights (one prefill each)
 
     def __post_init__(self) -> None:
-        if self.mode not in ("engine", "server"):
-            raise ValueError(f"rollout.mode={self.mode!r} is invalid: must be one of ['engine', 'server']")
+        check_choice("rollout.mode", self.mode, ROLLOUT_MODES)
         if not isinstance(self.url, str) or not self.url.startswith("http://"):
             raise ValueError(f"rollout.url={self.url!r} is invalid: must be an http://host:port address")
+        if self.max_inflight_groups is not None:
+            check_int("rollout.max_inflight_groups", self.max_inflight_groups, lo=1, allowed="an int >= 1 or null")
+        if self.max_staleness is not None:
+            check_int("rollout.max_staleness", self.max_staleness, lo=0, allowed="an int >= 0 or null")
+        check_choice("rollout.stale_groups", self.stale_groups, ("drop", "regenerate"))
+        check_bool("rollout.recompute_running", self.recompute_running)
+        for key in ("max_inflight_groups", "max_staleness"):
+            if self.mode != "partial" and getattr(self, key) is not None:
+                fail(f"rollout.{key}", getattr(self, key), f"null with rollout.mode={self.mode} (it is partial mode's)")
+
+    def rollout_kwargs(self) -> dict[str, Any]:
+        """``TRLRollout``'s partial-mode arguments (none in the other modes: their defaults)."""
+        if self.mode != "partial":
+            return {}
+        return {"mode": "partial", "max_inflight_groups": self.max_inflight_groups,
+                "max_staleness": self.max_staleness, "stale_groups": self.stale_groups,
+                "recompute_running": self.recompute_running}
 
 
 def load_config(raw: dict[str, Any]) -> tuple[JobConfig, TrainConfig, RolloutMode]:
@@ -101,9 +133,10 @@ def load_config(raw: dict[str, Any]) -> tuple[JobConfig, TrainConfig, RolloutMod
     and ``rollout`` (where generation runs)."""
     raw = dict(raw)
     rollout = dict(raw.pop("rollout", None) or {})
-    unknown = sorted(set(rollout) - {"mode", "url"})
+    allowed = [f.name for f in dataclasses.fields(RolloutMode)]
+    unknown = sorted(set(rollout) - set(allowed))
     if unknown:
-        raise ValueError(f"unknown key(s) {[f'rollout.{k}' for k in unknown]}; allowed: ['mode', 'url']")
+        raise ValueError(f"unknown key(s) {[f'rollout.{k}' for k in unknown]}; allowed: {allowed}")
     mode = RolloutMode(**rollout)
     job, train = setup.load_job(raw, TrainConfig)
     if job.sampling.n < 2:
@@ -113,6 +146,14 @@ def load_config(raw: dict[str, Any]) -> tuple[JobConfig, TrainConfig, RolloutMod
         raise ValueError("rollout.mode=server needs train.trainer=grpo (TRLRollout over a RolloutClient)")
     if mode.mode == "server" and train.sleep_level:
         raise ValueError("train.sleep_level must be 0 with rollout.mode=server (the server has its own GPUs)")
+    if mode.mode == "partial":
+        if train.sleep_level:
+            raise ValueError("train.sleep_level must be 0 with rollout.mode=partial (carried-over groups keep "
+                             "their KV cache between steps)")
+        if train.trainer == "async_grpo" and (mode.max_inflight_groups is not None or mode.stale_groups != "drop"):
+            raise ValueError("rollout.max_inflight_groups must be null and rollout.stale_groups drop with "
+                             "train.trainer=async_grpo (its worker keeps AsyncGRPOConfig's in-flight count and "
+                             "drops stale groups)")
     if job.pool.replicas > 1:
         if mode.mode != "engine" or train.trainer != "grpo":
             raise ValueError(f"pool.replicas={job.pool.replicas} needs rollout.mode=engine and train.trainer=grpo "
@@ -161,14 +202,17 @@ def train_grpo(job: JobConfig, train: TrainConfig, mode: RolloutMode | None = No
         from trainer_hooks.trl import TRLRollout
 
         model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
-        rollout = TRLRollout(engine, sleep_level=train.sleep_level, run_config=run_config)
+        rollout = TRLRollout(engine, sleep_level=train.sleep_level, run_config=run_config,
+                             **(mode.rollout_kwargs() if mode is not None else {}))
         trainer = EngineGRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=dataset,
                                     processing_class=tokenizer, rollout_func=rollout)
     else:
         from trainer_hooks.async_trainer import EngineAsyncGRPOTrainer
 
+        partial = mode is not None and mode.mode == "partial"
         trainer = EngineAsyncGRPOTrainer(str(checkpoint), engine, [reward], args, dataset, tokenizer,
-                                         run_config=run_config)
+                                         run_config=run_config, max_staleness=mode.max_staleness if partial else None,
+                                         recompute_running=mode.recompute_running if partial else True)
     steps = StepCallback(out, train.reward, rollout)
     trainer.add_callback(steps)
     trainer.remove_callback(PrinterCallback)  # its raw dict per step is replaced by StepLog's line
@@ -178,6 +222,8 @@ def train_grpo(job: JobConfig, train: TrainConfig, mode: RolloutMode | None = No
     exit_code = 1
     try:
         trainer.train()
+        if rollout is not None:
+            rollout.close()  # partial mode: the groups still in flight are never handed out
         exit_code = 0
     finally:
         setup.finish_wandb(exit_code)

@@ -26,6 +26,31 @@ def test_train_script_runs_and_logs_rewards(tmp_path, caplog, trainer):
     assert "step    2  reward" in caplog.text and "digit_fraction: mean of the first" in caplog.text
 
 
+@pytest.mark.parametrize("trainer", ["grpo", "async_grpo"])
+def test_train_script_partial_mode(tmp_path, monkeypatch, trainer):
+    """rollout.mode=partial: TRLRollout(mode="partial") (rewards wrapped by EngineGRPOTrainer), or the async
+    worker with max_staleness; their rollout/* partial metrics reach metrics.jsonl."""
+    from trainer_hooks import async_grpo
+
+    staleness = []
+    init = async_grpo.EngineRolloutWorker.__init__
+    monkeypatch.setattr(async_grpo.EngineRolloutWorker, "__init__",
+                        lambda self, *a, **kw: staleness.append(kw.get("max_staleness")) or init(self, *a, **kw))
+    out = load_script("train_grpo").run(compose(
+        "train_grpo", f"output_dir={tmp_path}", f"model.cache_dir={tmp_path / 'cache'}", f"train.trainer={trainer}",
+        "logger.wandb.mode=disabled", "rollout.mode=partial", "rollout.max_staleness=1", *SMALL,
+    ))
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2] and all("reward" in x for x in lines)
+    logged = set().union(*map(set, lines))
+    if trainer == "grpo":
+        assert {"rollout/carried_over_groups", "rollout/staleness_max", "rollout/dropped_groups"} <= logged
+        assert all(x["rollout/staleness_max"] <= 1 for x in lines)
+    else:
+        assert staleness == [1]
+        assert {"rollout/carried_over_groups", "rollout/policy_version_max"} <= logged, sorted(logged)
+
+
 def test_grpo_run_logs_engine_metrics_to_offline_wandb(tmp_path):
     out = load_script("train_grpo").run(compose(
         "train_grpo", f"output_dir={tmp_path}", f"model.cache_dir={tmp_path / 'cache'}", "logger.wandb.mode=offline",
@@ -75,12 +100,20 @@ def _raw(*overrides: str) -> dict:
         ("+train.grpo.loss_typo=dapo", "train.grpo.loss_typo is not a field of trl.GRPOConfig.*did you mean"),
         ("+train.grpo.temperature=0.5", "train.grpo.temperature is set by this script from sampling.temperature"),
         ("+train.grpo.gradient_accumulation_steps=3", "gradient_accumulation_steps=3 must be >= 1 and divide"),
+        ("rollout.mode=drain", "rollout.mode='drain' is invalid: must be one of ['engine', 'partial', 'server']"),
+        ("rollout.max_staleness=1", "rollout.max_staleness=1 is invalid: must be null with rollout.mode=engine"),
+        ("rollout.mode=partial rollout.max_staleness=-1", "rollout.max_staleness=-1 is invalid"),
+        ("rollout.mode=partial rollout.stale_groups=keep", "rollout.stale_groups='keep' is invalid"),
+        ("rollout.mode=partial train.sleep_level=1", "train.sleep_level must be 0 with rollout.mode=partial"),
+        ("rollout.mode=partial train.trainer=async_grpo rollout.max_inflight_groups=4",
+         "rollout.max_inflight_groups must be null and rollout.stale_groups drop with train.trainer=async_grpo"),
+        ("+rollout.bogus=1", "unknown key"),
     ],
 )
 def test_train_script_refuses_bad_config(tmp_path, override, message):
     script = load_script("train_grpo")
     with pytest.raises(ValueError, match=message_regex(message)):
-        job, train, _ = script.load_config(_raw(override))
+        job, train, _ = script.load_config(_raw(*override.split()))
         from types import SimpleNamespace
 
         script.trainer_args(job, train, SimpleNamespace(device=SimpleNamespace(type="cpu")), ["none"])
@@ -105,6 +138,7 @@ def test_grpo_generates_with_a_pool_of_two_replicas(tmp_path):
     (("train.sleep_level=1",), "train.sleep_level must be 0 with pool.replicas > 1"),
     (("train.trainer=async_grpo",), "needs rollout.mode=engine and train.trainer=grpo"),
     (("rollout.mode=server",), "needs rollout.mode=engine and train.trainer=grpo"),
+    (("rollout.mode=partial",), "needs rollout.mode=engine and train.trainer=grpo"),
 ])
 def test_pool_refuses_what_it_cannot_do(overrides, err):
     with pytest.raises(ValueError, match=err):

@@ -10,6 +10,15 @@ engine steps and recomputes running sequences, so generation never stops for a s
 The engine's per-token logprobs are each sample's ``old_log_probs``: AsyncGRPOTrainer's clipped ratio is
 taken against the generator's own logprobs (TRL's design for vLLM). Both plug-ins put ``rollout/*``
 engine metrics on the worker's ``metrics_queue``, which the trainer drains into its logs.
+
+The worker is partial rollouts by construction: groups are handed out as they finish, and a push lands
+between two steps while the others keep generating. What it shares with the job's ``rollout.mode=partial``
+(``rollout.job.staleness``): ``max_staleness`` drops groups whose oldest token is more versions behind the
+engine's weights, running ones at a push (not worth finishing) and finished ones before they are scored
+(counted as ``rollout/dropped_groups_total``; TRL's own ``max_staleness`` drops samples later, when the
+trainer takes them); at each push ``rollout/carried_over_groups`` / ``_tokens`` (groups still running and the
+tokens they hold); each sample's metrics carry ``rollout/policy_version_min`` / ``_max``, its tokens' oldest
+and newest version (TRL's collator averages sample metrics over a micro-batch, its log keeps the extremes).
 ``trainer_hooks.async_trainer.build_async_grpo_trainer`` wires them up.
 """
 
@@ -27,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rollout.job.staleness import carried_tokens, check_max_staleness, stale_running, too_stale
 from trainer_hooks.engine_metrics import EngineWindow, policy_lag
 from trainer_hooks.trl import sampling_params_from_args
 from trainer_hooks.weights import normalize_name, push_weights, resolve_engine
@@ -34,12 +44,14 @@ from trainer_hooks.weights import normalize_name, push_weights, resolve_engine
 
 class EngineWeightTransfer:
     """``WeightTransferProtocol`` for an in-process engine. Version k is the trainer's k-th sync, which
-    is exactly ``AsyncGRPOTrainer.model_version`` once that sync completes."""
+    is exactly ``AsyncGRPOTrainer.model_version`` once that sync completes. ``recompute_running``: running
+    sequences recompute their KV under the new weights (one prefill each) or keep the old KV."""
 
-    def __init__(self, engine_or_actor: Any, start_version: int = 0, metrics_queue: queue.Queue | None = None
-                 ) -> None:
+    def __init__(self, engine_or_actor: Any, start_version: int = 0, metrics_queue: queue.Queue | None = None,
+                 recompute_running: bool = True) -> None:
         self.target = engine_or_actor
         resolve_engine(engine_or_actor)
+        self.recompute_running = recompute_running
         self.version = start_version
         self.seconds: list[float] = []
         self.metrics_queue = metrics_queue  # the worker's: push times reach the trainer's logs with the rest
@@ -53,7 +65,7 @@ class EngineWeightTransfer:
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
         t0 = time.perf_counter()
         plain = ((hf, t) for name, t in iterator if (hf := normalize_name(name)) is not None)
-        push_weights(self.target, plain, version=self.version + 1)
+        push_weights(self.target, plain, version=self.version + 1, recompute_running=self.recompute_running)
         self.version += 1
         self.seconds.append(time.perf_counter() - t0)
         if self.metrics_queue is not None:
@@ -70,10 +82,13 @@ class EngineWeightTransfer:
 class EngineRolloutWorker:
     """``RolloutWorkerProtocol``: a thread that cycles the dataset, generates a group per prompt, scores
     it with TRL-style reward functions and puts one ``RolloutSample`` per completion on
-    ``rollout_buffer``. At most ``max_inflight`` completions are generated or queued but not consumed."""
+    ``rollout_buffer``. At most ``max_inflight`` completions are generated or queued but not consumed.
+    ``max_staleness`` (None: no limit here) drops groups too far behind the weights (see the module doc)."""
 
     def __init__(self, engine_or_actor: Any, dataset: Any, reward_funcs: list[Callable[..., list[float]]],
-                 tokenizer: Any, args: Any, max_inflight: int | None = None) -> None:
+                 tokenizer: Any, args: Any, max_inflight: int | None = None, max_staleness: int | None = None
+                 ) -> None:
+        check_max_staleness(max_staleness)
         if args.num_generations < 1:
             raise ValueError(f"num_generations must be >= 1, got {args.num_generations}")
         if len(dataset) == 0 or "prompt" not in dataset.column_names:
@@ -95,6 +110,9 @@ class EngineRolloutWorker:
         self._pending: dict[str, tuple[int, dict[str, Any], list[int]]] = {}
         self._next_group = 0
         self._window: EngineWindow | None = None
+        self.max_staleness = max_staleness
+        self.dropped_groups = 0
+        self._seen_version = self.engine.policy_version
 
     @property
     def running(self) -> bool:
@@ -136,17 +154,41 @@ class EngineRolloutWorker:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self.heartbeat = time.time()
-                while (len(self._pending) + 1) * self.n + self.rollout_buffer.qsize() <= self.max_inflight:
-                    self._submit()
-                if not self._pending:
-                    time.sleep(0.01)  # backpressure: the trainer has enough samples waiting
-                    continue
-                for out in self.engine.step():
-                    if out.request_id in self._pending:
-                        self._finish(out, *self._pending.pop(out.request_id))
+                self._tick()
         except BaseException as e:  # surfaced to the trainer by check_health
             self.error = e
+
+    def _tick(self) -> None:
+        """One pass of the loop: top the requests up, react to new weights, step the engine once."""
+        self.heartbeat = time.time()
+        if self.engine.policy_version != self._seen_version:
+            self._new_weights()
+        while (len(self._pending) + 1) * self.n + self.rollout_buffer.qsize() <= self.max_inflight:
+            self._submit()
+        if not self._pending:
+            time.sleep(0.01)  # backpressure: the trainer has enough samples waiting
+            return
+        for out in self.engine.step():
+            if out.request_id in self._pending:
+                self._finish(out, *self._pending.pop(out.request_id))
+
+    def _new_weights(self) -> None:
+        """After a push: stop the groups already over ``max_staleness``; count what carries over."""
+        self._seen_version = self.engine.policy_version
+        stale = stale_running(self.engine, self._pending, self.max_staleness)
+        for request_id in stale:
+            self.engine.abort(request_id)  # its "abort" output comes back from a later step and is ignored
+            del self._pending[request_id]
+        metrics = {"rollout/carried_over_groups": float(len(self._pending)),
+                   "rollout/carried_over_tokens": float(carried_tokens(self.engine, self._pending))}
+        if stale:
+            self._count_dropped(len(stale), metrics)
+        with contextlib.suppress(queue.Full):
+            self.metrics_queue.put_nowait(metrics)
+
+    def _count_dropped(self, groups: int, metrics: dict[str, float]) -> None:
+        self.dropped_groups += groups
+        metrics["rollout/dropped_groups_total"] = float(groups)  # a "total" key: TRL sums it over a log window
 
     def _submit(self) -> None:
         group = self._next_group
@@ -166,6 +208,12 @@ class EngineRolloutWorker:
     def _finish(self, out: Any, group: int, row: dict[str, Any], prompt_ids: list[int]) -> None:
         from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
+        if too_stale(out, self.engine.policy_version, self.max_staleness):
+            dropped: dict[str, float] = {}
+            self._count_dropped(1, dropped)
+            with contextlib.suppress(queue.Full):
+                self.metrics_queue.put_nowait(dropped)
+            return
         comps = sorted(out.outputs, key=lambda c: c.index)
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps]
         conversational = not isinstance(row["prompt"], str)
@@ -180,6 +228,9 @@ class EngineRolloutWorker:
         for i, c in enumerate(comps):
             metrics = {"reward": float(rewards[i]), "reward_std": std}
             metrics.update({f"rewards/{name}": float(v[i]) for name, v in per_func.items()})
+            if c.policy_versions:  # TRL reduces "min" / "max" keys as extrema over a log window
+                metrics.update({"rollout/policy_version_min": float(min(c.policy_versions)),
+                                "rollout/policy_version_max": float(max(c.policy_versions))})
             p, k = len(prompt_ids), len(c.token_ids)
             self.rollout_buffer.put(RolloutSample(
                 prompt=row["prompt"], completion=completions[i],

@@ -46,18 +46,22 @@ class RunConfigCallback(TrainerCallback):
 
 class EngineAsyncGRPOTrainer(AsyncGRPOTrainer):
     """``AsyncGRPOTrainer`` generating with an in-process engine (no vLLM server). ``args.token_budget``
-    unset defaults to the engine's ``max_model_len`` (TRL would ask the vLLM server)."""
+    unset defaults to the engine's ``max_model_len`` (TRL would ask the vLLM server). ``max_staleness`` and
+    ``recompute_running`` are the engine side's partial-rollout knobs (``trainer_hooks.async_grpo``)."""
 
     def __init__(self, model: str, engine_or_actor: Any, reward_funcs: list[Callable[..., list[float]]], args: Any,
                  train_dataset: Any, processing_class: Any, torch_attention: bool | None = None,
-                 run_config: dict[str, Any] | None = None, callbacks: list[Any] | None = None, **kwargs: Any) -> None:
+                 run_config: dict[str, Any] | None = None, callbacks: list[Any] | None = None,
+                 max_staleness: int | None = None, recompute_running: bool = True, **kwargs: Any) -> None:
         check_trl_version("trainer_hooks.async_trainer")
         engine = resolve_engine(engine_or_actor)
         if args.token_budget is None:
             args.token_budget = engine.max_model_len
         use_torch = (not torch.cuda.is_available()) if torch_attention is None else torch_attention
-        worker = EngineRolloutWorker(engine_or_actor, train_dataset, reward_funcs, processing_class, args)
-        transfer = EngineWeightTransfer(engine_or_actor, metrics_queue=worker.metrics_queue)
+        worker = EngineRolloutWorker(engine_or_actor, train_dataset, reward_funcs, processing_class, args,
+                                     max_staleness=max_staleness)
+        transfer = EngineWeightTransfer(engine_or_actor, metrics_queue=worker.metrics_queue,
+                                        recompute_running=recompute_running)
         config = {"engine": engine_run_config(engine), **(run_config or {})}
         with _no_peak_flops(use_torch):
             super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,

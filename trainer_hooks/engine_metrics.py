@@ -9,6 +9,10 @@ so windows never overlap and nothing in the engine is reset.
 - ``rollout/weight_push_s``, ``rollout/policy_version``, ``rollout/policy_lag_mean`` / ``_max`` (trainer
   version minus the oldest version among a completion's tokens)
 - ``rollout/logprob_gap_mean`` / ``_max``: |trainer logprob - engine logprob| per completion token
+- partial rollouts, named as the main job's round metrics (``rollout.job.round_metrics.partial_metrics``):
+  ``rollout/staleness_mean`` / ``_max`` (of the groups handed out), ``rollout/dropped_groups``,
+  ``rollout/regenerated_groups``, ``rollout/carried_over_groups`` / ``_tokens`` (still running at the end of
+  the call, or at a weight push for the async worker), ``rollout/tail_batch_size``
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from rollout.job.round_metrics import RoundTrace, partial_metrics, tail_batch_size
 
 
 class EngineWindow:
@@ -52,6 +58,13 @@ def policy_lag(current_version: int, completions_versions: Iterable[Sequence[int
     if not lags:
         return {}
     return {"rollout/policy_lag_mean": sum(lags) / len(lags), "rollout/policy_lag_max": float(max(lags))}
+
+
+def partial_rollout_metrics(trace: RoundTrace, t1: float) -> dict[str, float]:
+    """The job's partial-rollout numbers for one call (``trace`` from its start to ``t1``), as ``rollout/*``."""
+    m = {f"rollout/{k}": float(v) for k, v in partial_metrics(trace).items() if k != "staleness_hist"}
+    m["rollout/tail_batch_size"] = tail_batch_size(trace.steps, trace.t0, t1)
+    return m
 
 
 def engine_run_config(engine: Any) -> dict[str, Any]:

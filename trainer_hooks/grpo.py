@@ -51,7 +51,9 @@ class EngineGRPOTrainer(GRPOTrainer):
     Set the correction with GRPOConfig's own fields: ``vllm_importance_sampling_correction`` (on by
     default), ``vllm_importance_sampling_mode`` (``token_truncate`` is truncated IS per token, as TRL
     does for vLLM), ``vllm_importance_sampling_clip_min`` / ``_clip_max``. The engine-vs-trainer gap is
-    also logged as ``rollout/logprob_gap_{mean,max}`` next to the other engine metrics.
+    also logged as ``rollout/logprob_gap_{mean,max}`` next to the other engine metrics. With
+    ``TRLRollout(mode="partial")`` the reward functions are wrapped (``TRLRollout.wrap_rewards``) so that each
+    row is scored against its own group's prompt and dataset columns.
     """
 
     def __init__(self, *args: Any, rollout_func: TRLRollout, **kwargs: Any) -> None:
@@ -62,6 +64,11 @@ class EngineGRPOTrainer(GRPOTrainer):
         training_args = kwargs.get("args", args[2] if len(args) > 2 else None)
         if training_args is not None and training_args.use_vllm:
             raise ValueError("use_vllm=True: the engine is the generator here; leave use_vllm=False")
+        if rollout_func.partial is not None:  # each row scored against its own group's prompt (partial mode)
+            if "reward_funcs" in kwargs:
+                kwargs["reward_funcs"] = rollout_func.wrap_rewards(kwargs["reward_funcs"])
+            elif len(args) > 1:
+                args = (args[0], rollout_func.wrap_rewards(args[1]), *args[2:])
         super().__init__(*args, rollout_func=rollout_func, **kwargs)
         self.use_vllm = True  # TRL's switch for "generator logprobs are in the rows": IS correction + metrics
         self.vllm_mode = "server"  # never "colocate": that branch reads a vLLM engine's max_model_len

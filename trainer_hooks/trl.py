@@ -4,6 +4,9 @@ TRL hands the rollout function each prompt repeated ``num_generations`` times in
 identical prompts becomes one request with ``n`` = the run's length, so the group shares its prompt's KV
 blocks, and one row comes back per input prompt. Logprobs are the engine's ``policy`` mode: log
 softmax(logits / T) over the full vocabulary, the number GRPO recomputes.
+
+``mode="partial"`` (``trainer_hooks.trl_partial``) returns complete groups as soon as enough have finished
+and carries the rest, KV included, into later calls; ``drain`` (the default) waits for every group.
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ from trainer_hooks.engine_metrics import (
     EngineWindow,
     add_to_wandb_config,
     engine_run_config,
+    partial_rollout_metrics,
     policy_lag,
     reports_to_wandb,
 )
+from trainer_hooks.trl_partial import GROUP_KEY, PartialRollouts
 from trainer_hooks.weights import HFWeights, push_weights, resolve_engine
+
+MODES = ("drain", "partial")
 
 # SamplingParams fields that `generation_kwargs` may set (vLLM's names).
 GENERATION_KWARGS = tuple(
@@ -44,17 +51,46 @@ class TRLRollout:
     ``sleep_level`` 1 or 2 co-locates the engine with the trainer: its KV cache (level 2: also its weights)
     is released after every generation and restored before the next. ``run_config`` is added to the W&B
     run's config next to the engine's.
+
+    ``mode="partial"``: a training call for P prompts returns P rows of complete groups, the oldest finished
+    first, possibly admitted by earlier calls; the others keep generating into later calls (see
+    ``trainer_hooks.trl_partial`` for how this fits TRL's reward computation: ``wrap_rewards``). Its knobs are
+    the main job's: ``max_inflight_groups`` (groups in the engine at a call's start; default twice the call's),
+    ``max_staleness`` / ``stale_groups`` (``drop`` | ``regenerate``), ``prompt_dataset`` (where the groups
+    beyond TRL's come from; default the trainer's train_dataset). ``recompute_running`` goes with each push:
+    carried-over sequences recompute their KV under the new weights (one prefill each) or keep the old KV.
+    Rows then also carry ``policy_versions`` (per token) and ``rollout_group_id``; metrics add
+    ``rollout/staleness_*``, ``dropped_groups``, ``regenerated_groups``, ``carried_over_groups`` / ``_tokens``
+    and ``tail_batch_size``.
     """
 
     def __init__(self, engine_or_actor: Any, sync_weights: bool = True, sleep_level: int = 0,
-                 run_config: dict[str, Any] | None = None) -> None:
+                 run_config: dict[str, Any] | None = None, mode: str = "drain",
+                 max_inflight_groups: int | None = None, max_staleness: int | None = None,
+                 stale_groups: str = "drop", recompute_running: bool = True, prompt_dataset: Any = None) -> None:
         if sleep_level not in (0, 1, 2):
             raise ValueError(f"sleep_level={sleep_level!r} is invalid: must be 0 (never sleep), 1 (free the KV "
                              "cache between generations) or 2 (also move the engine's weights to the CPU)")
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is invalid: must be one of {list(MODES)}")
         self.target = engine_or_actor
         self.engine = resolve_engine(engine_or_actor)
         self.sync_weights = sync_weights
         self.sleep_level = sleep_level
+        self.mode, self.recompute_running = mode, bool(recompute_running)
+        self.partial: PartialRollouts | None = None
+        if mode == "partial":
+            if sleep_level:
+                raise ValueError(f"sleep_level={sleep_level} is invalid with mode='partial': must be 0 (carried-over "
+                                 "groups keep their KV between calls)")
+            self.partial = PartialRollouts(self.engine, max_inflight_groups, max_staleness, stale_groups,
+                                           prompt_dataset)
+        else:
+            given = {"max_inflight_groups": max_inflight_groups, "max_staleness": max_staleness,
+                     "prompt_dataset": prompt_dataset, "stale_groups": None if stale_groups == "drop" else stale_groups}
+            for key, value in given.items():
+                if value is not None:
+                    raise ValueError(f"{key}={value!r} is partial mode's: leave it unset with mode='drain'")
         self.run_config = dict(run_config or {})
         self.synced_step: int | None = None
         self.last_outputs: list[Any] = []
@@ -68,6 +104,8 @@ class TRLRollout:
             raise ValueError("rollout_func got no prompts")
         if self.sync_weights:
             self.maybe_sync(trainer)
+        if self.partial is not None and getattr(getattr(trainer, "model", None), "training", True):
+            return self._call_partial(prompts, trainer)
         prompt_ids = tokenize_prompts(prompts, trainer)
         runs = list(_runs(prompt_ids))
         base = sampling_params_from_args(trainer.args, getattr(trainer, "eos_token_ids", None))
@@ -79,9 +117,59 @@ class TRLRollout:
         self._sleep()
         self.seconds["generation"] += metrics["rollout/generation_s"]
         self.last_outputs = outs
+        rows, versions = self._rows(outs)
+        assert len(rows["prompt_ids"]) == len(prompts), (len(rows["prompt_ids"]), len(prompts))
+        metrics.update(policy_lag(int(trainer.state.global_step), versions))
+        self._report(trainer, metrics)
+        return rows
+
+    def _call_partial(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        assert self.partial is not None
+        if getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None):
+            raise ValueError("mode='partial' cannot serve tools or environments: TRL runs them against its own "
+                             "prompts, which may belong to another group; use mode='drain'")
+        unwrapped = [f for f in getattr(trainer, "reward_funcs", None) or []
+                     if getattr(f, "_partial_rollouts", None) is not self.partial]
+        if unwrapped:
+            raise ValueError("mode='partial' returns groups of earlier prompts, so each reward function must see "
+                             "its row's own prompt and columns: build the trainer with reward_funcs="
+                             "rollout.wrap_rewards([...]) (EngineGRPOTrainer does it itself); unwrapped: "
+                             f"{[getattr(f, '__name__', type(f).__name__) for f in unwrapped]}")
+        n = int(getattr(trainer, "num_generations", None) or trainer.args.num_generations)
+        base = sampling_params_from_args(trainer.args, getattr(trainer, "eos_token_ids", None))
+        window = EngineWindow(self.engine)
+        handed, trace = self.partial.generate(
+            prompts, tokenize_prompts(prompts, trainer), dataclasses.replace(base, n=n),
+            int(getattr(trainer.args, "seed", 0) or 0), getattr(trainer, "train_dataset", None),
+            lambda more: tokenize_prompts(more, trainer))
+        metrics = window.close()
+        metrics.update(partial_rollout_metrics(trace, time.perf_counter()))
+        self.seconds["generation"] += metrics["rollout/generation_s"]
+        self.last_outputs = [g.output for g in handed]
+        rows, versions = self._rows(self.last_outputs, [g.group_id for g in handed])
+        assert len(rows["prompt_ids"]) == len(prompts), (len(rows["prompt_ids"]), len(prompts))
+        metrics.update(policy_lag(int(trainer.state.global_step), versions))
+        self._report(trainer, metrics)
+        return rows
+
+    def wrap_rewards(self, reward_funcs: Any) -> list[Any]:
+        """TRL's ``reward_funcs`` (one or a list) made to score each row against its own prompt and columns,
+        as partial mode needs (``trainer_hooks.trl_partial``); unchanged in drain mode."""
+        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        return funcs if self.partial is None else [self.partial.wrap_reward(f) for f in funcs]
+
+    def close(self) -> None:
+        """Partial mode: abort the groups still in flight (never handed out). Nothing to do in drain mode."""
+        if self.partial is not None:
+            self.partial.close()
+
+    def _rows(self, outs: list[Any], group_ids: list[int] | None = None) -> tuple[dict[str, list[Any]], list[Any]]:
+        """One row per sample, by sample index; ``group_ids`` (partial) adds per-token versions and the group."""
         rows: dict[str, list[Any]] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "policy_version": []}
+        if group_ids is not None:
+            rows.update(policy_versions=[], **{GROUP_KEY: []})
         versions = []
-        for out in outs:
+        for i, out in enumerate(outs):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 rows["prompt_ids"].append(list(out.prompt_token_ids))
                 rows["completion_ids"].append(list(c.token_ids))
@@ -89,10 +177,10 @@ class TRLRollout:
                 version = min(c.policy_versions) if c.policy_versions else self.engine.policy_version
                 rows["policy_version"].append(int(version))
                 versions.append(c.policy_versions or [version])
-        assert len(rows["prompt_ids"]) == len(prompts), (len(rows["prompt_ids"]), len(prompts))
-        metrics.update(policy_lag(int(trainer.state.global_step), versions))
-        self._report(trainer, metrics)
-        return rows
+                if group_ids is not None:
+                    rows["policy_versions"].append([int(v) for v in c.policy_versions])
+                    rows[GROUP_KEY].append(group_ids[i])
+        return rows, versions
 
     def maybe_sync(self, trainer: Any) -> bool:
         """Push the unwrapped trainer model if the step moved since the last push; True if it pushed."""
@@ -102,7 +190,7 @@ class TRLRollout:
         model = trainer.accelerator.unwrap_model(trainer.model)
         t0 = time.perf_counter()
         with merged_adapter(model):
-            push_weights(self.target, HFWeights(model), version=step)
+            push_weights(self.target, HFWeights(model), version=step, recompute_running=self.recompute_running)
         seconds = time.perf_counter() - t0
         self._push_s.append(seconds)
         self.seconds["weight_push"] += seconds

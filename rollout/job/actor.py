@@ -29,11 +29,11 @@ from rollout.job.data import Prompt, PromptDataset
 from rollout.job.rewards import RewardFn
 from rollout.job.round_metrics import PoolMeter, RoundTrace, round_metrics
 from rollout.job.seeds import request_seed
+from rollout.job.staleness import STALE_POLICIES, carried_tokens, stale_running, staleness, too_stale
 from rollout.job.trajectory import Trajectory, group_trajectories
 from rollout.sampling_params import SamplingParams
 
 MODES = ("drain", "partial")
-STALE_POLICIES = ("drop", "regenerate")
 StepCallback = Callable[[dict[str, float]], None]
 log = logging.getLogger(__name__)
 
@@ -205,12 +205,10 @@ class RolloutActor:
 
     # ---- staleness ------------------------------------------------------------------------------------------
     def _staleness(self, out: Any) -> int:
-        """Versions between the group's oldest token and the current weights (0 when it has no tokens)."""
-        versions = [v for c in out.outputs for v in c.policy_versions]
-        return max(0, self.engine.policy_version - min(versions)) if versions else 0
+        return staleness(out, self.engine.policy_version)
 
     def _too_stale(self, out: Any) -> bool:
-        return self.max_staleness is not None and self._staleness(out) > self.max_staleness
+        return too_stale(out, self.engine.policy_version, self.max_staleness)
 
     def _discard(self, group: _Group, trace: RoundTrace) -> None:
         if self.stale_groups == "regenerate":
@@ -223,22 +221,14 @@ class RolloutActor:
 
     def _drop_stale_running(self, trace: RoundTrace) -> None:
         """At a round's start (after any new weights): stop the running groups already too stale."""
-        if self.max_staleness is None:
-            return
-        for rid, group in list(self._running.items()):
-            partial = self.engine.partial_output(rid)
-            if partial is not None and self._too_stale(partial):
-                self.engine.abort(rid)  # its "abort" output comes back from a later step and is ignored
-                del self._running[rid]
-                self._awaiting_first.pop(rid, None)
-                self._discard(group, trace)
+        for rid in stale_running(self.engine, self._running, self.max_staleness):
+            self.engine.abort(rid)  # its "abort" output comes back from a later step and is ignored
+            group = self._running.pop(rid)
+            self._awaiting_first.pop(rid, None)
+            self._discard(group, trace)
 
     def _carried_tokens(self) -> int:
-        total = 0
-        for rid in self._running:
-            out = self.engine.partial_output(rid)
-            total += sum(len(c.token_ids) for c in out.outputs) if out is not None else 0
-        return total
+        return carried_tokens(self.engine, self._running)
 
     # ---- the loop -------------------------------------------------------------------------------------------
     def _drive(self, r: int, trace: RoundTrace, generated0: int) -> list[_Group]:

@@ -69,6 +69,20 @@ def engine_window_metrics(before: Any, after: Any, copy_bandwidth: float | None)
     return {"prefix_cache_hit_rate": cached / started if started > 0 else None, "floor_ratio": floor}
 
 
+def partial_metrics(trace: RoundTrace) -> dict[str, Any]:
+    """Staleness of the groups handed out (mean, max, histogram), groups dropped or regenerated for it, and
+    the groups (and their tokens) carried over. ``trainer_hooks`` logs the same numbers under ``rollout/``."""
+    return {
+        "staleness_mean": sum(trace.staleness) / len(trace.staleness) if trace.staleness else 0.0,
+        "staleness_max": max(trace.staleness, default=0),
+        "staleness_hist": {str(k): v for k, v in sorted(Counter(trace.staleness).items())},
+        "dropped_groups": trace.dropped_groups,
+        "regenerated_groups": trace.regenerated_groups,
+        "carried_over_groups": trace.carried_over_groups,
+        "carried_over_tokens": trace.carried_over_tokens,
+    }
+
+
 def round_metrics(
     r: int, trajs: Sequence[Trajectory], before: Any, after: Any, trace: RoundTrace, t1: float, partial: bool,
     copy_bandwidth: float | None = None,
@@ -105,13 +119,7 @@ def round_metrics(
         "completion_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
         "completion_len_max": max(lengths, default=0),
         "policy_version": after.policy_version,
-        "staleness_mean": sum(trace.staleness) / len(trace.staleness) if trace.staleness else 0.0,
-        "staleness_max": max(trace.staleness, default=0),
-        "staleness_hist": {str(k): v for k, v in sorted(Counter(trace.staleness).items())},
-        "dropped_groups": trace.dropped_groups,
-        "regenerated_groups": trace.regenerated_groups,
-        "carried_over_groups": trace.carried_over_groups,
-        "carried_over_tokens": trace.carried_over_tokens,
+        **partial_metrics(trace),
         "ttft_requests": len(trace.ttft),
         "ttft_mean_s": sum(trace.ttft) / len(trace.ttft) if trace.ttft else None,
         "ttft_p90_s": percentile(trace.ttft, 90),
