@@ -143,3 +143,25 @@ def test_grpo_generates_with_a_pool_of_two_replicas(tmp_path):
 def test_pool_refuses_what_it_cannot_do(overrides, err):
     with pytest.raises(ValueError, match=err):
         load_script("train_grpo").load_config(_raw("pool.replicas=2", *overrides))
+
+
+def test_wandb_env_wins_over_an_earlier_wandb_setup(tmp_path, monkeypatch):
+    """wandb reads the environment once per process: after an earlier online attempt (the job's
+    ``logger.wandb.mode=online`` without an account, say), the trainer's offline run asked for a login."""
+    import wandb
+
+    from rollout.job.config import WandbConfig
+    from trainer_hooks.train_setup import wandb_env
+
+    for key in ("WANDB_MODE", "WANDB_PROJECT", "WANDB_DIR", "WANDB_DISABLE_GIT", "WANDB_CONSOLE", "WANDB_SILENT"):
+        monkeypatch.setenv(key, "")  # restored afterwards, whatever wandb_env sets
+        monkeypatch.delenv(key)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    wandb.setup()  # the process's first setup, online by default
+    assert wandb_env(WandbConfig(mode="offline"), tmp_path) == ["wandb"]
+    run = wandb.init(project="rollout-test")  # what transformers' W&B callback calls
+    try:
+        assert run.settings.mode == "offline"
+    finally:
+        wandb.finish()

@@ -163,6 +163,11 @@ def wandb_env(cfg: WandbConfig, output_dir: Path) -> list[str]:
         if value:
             env[key] = value
     os.environ.update(env)
+    if "wandb" in sys.modules:  # wandb reads the environment once per process, at its first setup: start afresh
+        import wandb  # (an earlier online attempt would otherwise keep this run online and ask for a login)
+
+        if wandb.run is None:
+            wandb.teardown()
     return ["wandb"]
 
 
