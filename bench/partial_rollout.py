@@ -1,7 +1,7 @@
 """Partial vs drain rollouts through the actor on W2-shaped lengths (issue 14's bar): one JSON line per mode.
 
     python bench/partial_rollout.py --modes drain,partial --out bench/results/partial_w2.jsonl     # H200
-    python bench/partial_rollout.py --preset tiny --prompts 4 --n 2 --new 48 --rounds 3            # CPU smoke
+    python bench/partial_rollout.py --preset tiny --prompts 4 --n 2 --new 48 --rounds 3 --prompt-len 64  # CPU
 
 W2's shape: qwen2.5-1.5b (random init, bf16), 512-token prompts, ``--prompts`` groups of ``--n`` handed
 out per round, each group's length log-uniform in [256, --new] (fixed per group: ignore_eos), and a push of
@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import datetime as dt
 import importlib.util
-import json
 import math
 import os
 import random
@@ -26,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -70,10 +70,15 @@ def build_model(preset: str) -> torch.nn.Module:
         from rollout.assets import materialize_default_model
 
         return AutoModelForCausalLM.from_pretrained(materialize_default_model(), dtype=torch.float32)
+    return load_bench().build_hf(preset)
+
+
+def load_bench() -> ModuleType:
+    """scripts/bench.py: its presets, model builder and JSON-line output."""
     spec = importlib.util.spec_from_file_location("bench_main", ROOT / "scripts" / "bench.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    return bench.build_hf(preset)
+    return bench
 
 
 def run(mode: str, hf: torch.nn.Module, args: argparse.Namespace) -> dict:
@@ -145,13 +150,9 @@ def main() -> None:
     p.add_argument("--keep-kv", action="store_true", help="partial: recompute_running=False across pushes")
     p.add_argument("--out", default=None, help="append the JSON lines to this file")
     args = p.parse_args()
-    hf = build_model(args.preset)
+    hf, emit = build_model(args.preset), load_bench().emit
     for mode in [m for m in args.modes.split(",") if m]:
-        line = json.dumps(run(mode, hf, args))
-        print(line, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(line + "\n")
+        emit(run(mode, hf, args), args.out)
 
 
 if __name__ == "__main__":

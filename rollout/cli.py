@@ -35,6 +35,18 @@ def run_or_exit(run: Callable[[Any], object], cfg: Any, log: logging.Logger) -> 
         sys.exit(2)
 
 
+def resolved_config(cfg: Any, hint: str = " (outside a Hydra run, set output_dir=...)") -> dict[str, Any]:
+    """The composed Hydra config as a plain dict; an interpolation that does not resolve is a user error
+    (``ValueError``), not an OmegaConf traceback."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    except OmegaConfBaseException as e:
+        raise ValueError(f"the config does not resolve: {e}{hint}") from None
+
+
 def quiet_progress_bars() -> None:
     """Third-party progress bars (dataset split generation, checkpoint writing) off; ours stay."""
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")

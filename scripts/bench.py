@@ -308,6 +308,15 @@ def _commit() -> str:
         return "unknown"
 
 
+def emit(record: dict, out: str | None) -> None:
+    """One run's JSON line on stdout, and appended to ``out`` (``--out``) when given."""
+    line = json.dumps(record)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", default="W1-short", help=f"comma list of {sorted(WORKLOADS)}")
@@ -372,11 +381,7 @@ def main() -> None:
                     r["extra_prefill_compute_s"] = round(r["prefill_compute_s"] - base["prefill_compute_s"], 3)
                 recs.append(r)
         for r in recs:
-            line = json.dumps(r)
-            print(line, flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(line + "\n")
+            emit(r, args.out)
 
 
 if __name__ == "__main__":

@@ -26,10 +26,9 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _HERE]
 
 import hydra  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
-from omegaconf.errors import OmegaConfBaseException  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
-from rollout.cli import quiet_progress_bars, run_or_exit  # noqa: E402
+from rollout.cli import quiet_progress_bars, resolved_config, run_or_exit  # noqa: E402
 from rollout.job.config import JobConfig  # noqa: E402
 
 log = logging.getLogger("rollout")
@@ -37,13 +36,7 @@ log = logging.getLogger("rollout")
 
 def run(cfg: DictConfig) -> Path:
     """Run the job a composed Hydra config describes; returns output_dir. Used by main() and by tests."""
-    try:
-        raw = OmegaConf.to_container(cfg, resolve=True)
-    except OmegaConfBaseException as e:
-        raise ValueError(
-            f"the config does not resolve: {e} (outside a Hydra run, set output_dir=...)"
-        ) from None
-    return run_job(JobConfig.from_dict(raw))  # type: ignore[arg-type]
+    return run_job(JobConfig.from_dict(resolved_config(cfg)))
 
 
 def run_job(job: JobConfig) -> Path:

@@ -21,22 +21,17 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _HERE]
 
 import hydra  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
-from omegaconf.errors import OmegaConfBaseException  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 import rollout.job.setup as setup  # noqa: E402
-from rollout.cli import quiet_progress_bars, run_or_exit  # noqa: E402
+from rollout.cli import quiet_progress_bars, resolved_config, run_or_exit  # noqa: E402
 from rollout.serve.config import ServeConfig  # noqa: E402
 
 log = logging.getLogger("rollout.serve")
 
 
 def load_config(cfg: DictConfig) -> ServeConfig:
-    try:
-        raw = OmegaConf.to_container(cfg, resolve=True)
-    except OmegaConfBaseException as e:
-        raise ValueError(f"the config does not resolve: {e}") from None
-    return ServeConfig.from_dict(raw)  # type: ignore[arg-type]
+    return ServeConfig.from_dict(resolved_config(cfg, hint=""))
 
 
 def build_engine(config: ServeConfig) -> tuple[object, Path]:

@@ -36,11 +36,10 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _HERE]
 
 import hydra  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
-from omegaconf.errors import OmegaConfBaseException  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from rollout.cli import quiet_progress_bars, run_or_exit  # noqa: E402
+from rollout.cli import quiet_progress_bars, resolved_config, run_or_exit  # noqa: E402
 from rollout.job.config import JobConfig  # noqa: E402
 from trainer_hooks import train_setup as setup  # noqa: E402
 from trainer_hooks.engine_metrics import StepTimes  # noqa: E402
@@ -123,11 +122,7 @@ def load_config(raw: dict[str, Any]) -> tuple[JobConfig, TrainConfig, RolloutMod
 
 def run(cfg: DictConfig) -> Path:
     """Train as the composed config says; returns output_dir. Used by main() and by tests."""
-    try:
-        raw = OmegaConf.to_container(cfg, resolve=True)
-    except OmegaConfBaseException as e:
-        raise ValueError(f"the config does not resolve: {e} (outside a Hydra run, set output_dir=...)") from None
-    return train_grpo(*load_config(raw))  # type: ignore[arg-type]
+    return train_grpo(*load_config(resolved_config(cfg)))
 
 
 def train_grpo(job: JobConfig, train: TrainConfig, mode: RolloutMode | None = None) -> Path:
@@ -279,11 +274,6 @@ def main(cfg: DictConfig) -> None:
     run_or_exit(run, cfg, log)
 
 
-def cli() -> None:
-    """Console entry point (``rollout-train-grpo``)."""
+if __name__ == "__main__":
     quiet_progress_bars()
     main()
-
-
-if __name__ == "__main__":
-    cli()

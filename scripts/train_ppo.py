@@ -31,10 +31,9 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _HERE]
 
 import hydra  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
-from omegaconf.errors import OmegaConfBaseException  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
-from rollout.cli import quiet_progress_bars, run_or_exit  # noqa: E402
+from rollout.cli import quiet_progress_bars, resolved_config, run_or_exit  # noqa: E402
 from rollout.job.config import JobConfig  # noqa: E402
 from trainer_hooks import train_setup as setup  # noqa: E402
 from trainer_hooks.engine_metrics import StepTimes  # noqa: E402
@@ -82,11 +81,7 @@ def load_config(raw: dict[str, Any]) -> tuple[JobConfig, TrainConfig]:
 def run(cfg: DictConfig, on_push: Any = None) -> Path:
     """Train as the composed config says; returns output_dir. Used by main() and by tests (``on_push``
     is called with the ``EnginePPO`` after every weight push)."""
-    try:
-        raw = OmegaConf.to_container(cfg, resolve=True)
-    except OmegaConfBaseException as e:
-        raise ValueError(f"the config does not resolve: {e} (outside a Hydra run, set output_dir=...)") from None
-    job, train = load_config(raw)  # type: ignore[arg-type]
+    job, train = load_config(resolved_config(cfg))
     return train_ppo(job, train, on_push)
 
 
@@ -147,11 +142,6 @@ def main(cfg: DictConfig) -> None:
     run_or_exit(run, cfg, log)
 
 
-def cli() -> None:
-    """Console entry point (``rollout-train-ppo``)."""
+if __name__ == "__main__":
     quiet_progress_bars()
     main()
-
-
-if __name__ == "__main__":
-    cli()

@@ -1,4 +1,6 @@
-"""Suite-wide settings."""
+"""Suite-wide settings, and the fixtures several test files share."""
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,3 +13,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The embedded default model's tokenizer (rollout/assets)."""
+    from transformers import AutoTokenizer
+
+    from rollout.assets import assets_dir
+
+    return AutoTokenizer.from_pretrained(assets_dir())
+
+
+@pytest.fixture(scope="module")
+def default_model(tmp_path_factory) -> Path:
+    """The embedded default checkpoint (tiny random-init Llama), materialised in a fresh cache dir."""
+    from rollout.assets import materialize_default_model
+
+    return materialize_default_model(tmp_path_factory.mktemp("cache"))

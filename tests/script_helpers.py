@@ -26,3 +26,9 @@ def load_script(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # its dataclasses resolve their module through sys.modules
     spec.loader.exec_module(module)
     return module
+
+
+def message_regex(message: str) -> str:
+    """A refusal message as a ``pytest.raises(match=...)`` pattern: ``[``, ``]`` and ``+`` literal, ``.*`` still
+    a wildcard (some expected messages skip a part that way)."""
+    return message.replace("[", r"\[").replace("+", r"\+").replace("]", r"\]")

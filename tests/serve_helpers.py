@@ -3,33 +3,21 @@ in-process (built by the same code from the same config) for parity checks."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
-from hydra import compose, initialize_config_dir
+from tests.script_helpers import ROOT, compose, load_script
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "serve.py"
-
-
-def load_serve_script():
-    spec = importlib.util.spec_from_file_location("serve_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def in_process_engine(*overrides: str):
     """(engine, checkpoint dir) exactly as the server builds them for the same overrides."""
-    script = load_serve_script()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("serve", overrides=list(overrides))
-    return script.build_engine(script.load_config(cfg))
+    script = load_script("serve")
+    return script.build_engine(script.load_config(compose("serve", *overrides)))
 
 
 class Server:

@@ -1,20 +1,15 @@
 """scripts/bench.py's ``--sampling``: which SamplingParams each workload's requests get (CPU only)."""
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.script_helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_script", ROOT / "scripts" / "bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench")
 
 
 def _params(bench, workload, sampling):

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from rollout.config import EngineConfig
 from rollout.job.config import JobConfig
 from rollout.job.rewards import exact_match, get_reward_fn, last_integer
 from rollout.sampling_params import SamplingParams
-
-CONF = Path(__file__).resolve().parent.parent / "conf"
+from tests.script_helpers import compose
 
 
 def composed(*overrides: str) -> dict:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("config", overrides=["output_dir=/tmp/x", *overrides])
-    return OmegaConf.to_container(cfg, resolve=True)
+    return OmegaConf.to_container(compose("config", "output_dir=/tmp/x", *overrides), resolve=True)
 
 
 def test_conf_defaults_mirror_the_dataclasses() -> None:

@@ -8,21 +8,14 @@ from types import SimpleNamespace
 
 import datasets
 import pytest
-from transformers import AutoTokenizer
 
 from rollout import SamplingParams
-from rollout.assets import assets_dir
 from rollout.job.actor import RolloutActor
 from rollout.job.data import PromptDataset
 from rollout.job.round_metrics import PoolMeter, engine_window_metrics, percentile
 from tests.engine_helpers import make_engine
 from tests.job_fakes import FakeEngine, zero_stats
 from tests.tiny_models import make_tiny_hf_model
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(assets_dir())
 
 
 def _dataset(tokenizer, prompts) -> PromptDataset:

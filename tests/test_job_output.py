@@ -9,9 +9,7 @@ from pathlib import Path
 import datasets
 import pyarrow.dataset as pads
 import pytest
-from transformers import AutoTokenizer
 
-from rollout.assets import assets_dir
 from rollout.job.config import DataConfig
 from rollout.job.data import PromptDataset, PromptLimits, load_prompt_dataset
 from rollout.job.output_dir import LOCK_FILE, OutputDirLock
@@ -21,11 +19,6 @@ from rollout.job.trajectory_writer import TrajectoryWriter, read_trajectories
 from rollout.sampling_params import SamplingParams
 
 LIMITS = PromptLimits(vocab_size=100, max_model_len=64, max_kv_tokens=48)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(assets_dir())
 
 
 def traj(r: int, g: int, i: int) -> Trajectory:

@@ -8,9 +8,7 @@ from pathlib import Path
 
 import datasets
 import pytest
-from transformers import AutoTokenizer
 
-from rollout.assets import assets_dir, materialize_default_model
 from rollout.job.actor import RolloutActor
 from rollout.job.config import DataConfig
 from rollout.job.data import PromptDataset, load_prompt_dataset
@@ -157,22 +155,7 @@ def test_drain_is_unchanged_by_partial_mode_bookkeeping() -> None:
 
 
 # ---- the real engine ----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def default_model(tmp_path_factory) -> Path:
-    return materialize_default_model(tmp_path_factory.mktemp("cache"))
-
-
-@pytest.fixture
-def one_thread():
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-def test_drain_output_equals_generate_with_the_same_seeds(default_model: Path, one_thread) -> None:
+def test_drain_output_equals_generate_with_the_same_seeds(default_model: Path) -> None:
     """Drain mode hands out exactly what `generate` makes for the round's prompts with the derived seeds."""
     from rollout import Engine
 
@@ -186,7 +169,7 @@ def test_drain_output_equals_generate_with_the_same_seeds(default_model: Path, o
     assert [(t.completion_ids, t.logprobs) for t in res.trajectories] == want
 
 
-def test_real_engine_versions_switch_at_the_boundary(default_model: Path, one_thread) -> None:
+def test_real_engine_versions_switch_at_the_boundary(default_model: Path, tokenizer) -> None:
     """The engine's own per-token versions: a carried-over sample's tokens are version 0 up to the round's
     end and version 1 after the push (recomputed KV), and its group is handed out whole."""
     from transformers import AutoModelForCausalLM
@@ -194,9 +177,8 @@ def test_real_engine_versions_switch_at_the_boundary(default_model: Path, one_th
     from rollout import Engine
 
     engine = Engine.from_pretrained(str(default_model), dtype="float32", device="cpu", max_num_seqs=16)
-    tok = AutoTokenizer.from_pretrained(assets_dir())
-    ds = load_prompt_dataset(DataConfig(), tok)
-    stops = list(range(10, len(tok), 6))  # ~1 in 6 tokens stops a sample: lengths vary a lot
+    ds = load_prompt_dataset(DataConfig(), tokenizer)
+    stops = list(range(10, len(tokenizer), 6))  # ~1 in 6 tokens stops a sample: lengths vary a lot
     params = SamplingParams(n=2, max_tokens=24, stop_token_ids=stops)
     actor = RolloutActor(engine, ds, params, 2, seed=3, mode="partial", max_inflight_groups=4)
     actor.run_round()

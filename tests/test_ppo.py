@@ -10,7 +10,7 @@ import torch
 
 from rollout.sampling_params import SamplingParams
 from tests.engine_helpers import hf_logprobs
-from tests.script_helpers import compose, load_script
+from tests.script_helpers import compose, load_script, message_regex
 from tests.tiny_models import make_tiny_hf_model
 from tests.wandb_offline import read_run
 from trainer_hooks.ppo import PPOConfig, Sequences, gae, policy_loss, token_logprobs, token_rewards, value_loss
@@ -123,7 +123,7 @@ def test_train_ppo_script(tmp_path):
 ])
 def test_train_ppo_refuses_bad_config(tmp_path, override, message):
     script = load_script("train_ppo")
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("+", r"\+").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=message_regex(message)):
         script.run(compose("train_ppo", f"output_dir={tmp_path}", override))
 
 

@@ -96,3 +96,14 @@ def test_console_entry_points_run_the_scripts():
     printed = OmegaConf.create(done.stdout)
     assert printed.model.path == "Qwen/Qwen3-0.6B" and printed.engine.max_model_len == 40960
     assert printed.train.trainer == "grpo"
+
+
+def test_an_unresolvable_config_is_a_user_error():
+    from rollout.cli import resolved_config
+
+    assert resolved_config(OmegaConf.create({"a": "${b}", "b": 1})) == {"a": 1, "b": 1}
+    unresolved = OmegaConf.create({"output_dir": "${hydra:runtime.output_dir}"})
+    with pytest.raises(ValueError, match=r"(?s)^the config does not resolve: .*\(outside a Hydra run, set output_dir="):
+        resolved_config(unresolved)
+    with pytest.raises(ValueError, match=r"(?s)^the config does not resolve: (?!.*outside a Hydra run)"):
+        resolved_config(unresolved, hint="")

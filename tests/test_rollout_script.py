@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -13,25 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from safetensors.torch import save_file
 
 from rollout.assets import materialize_default_model
 from rollout.job.trajectory_writer import read_trajectories
+from tests.script_helpers import ROOT, compose, load_script
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "rollout.py"
 TINY = ["sampling.max_tokens=3", "logger.progress=false"]
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("rollout_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-script = _load_script()
+script = load_script("rollout")
 
 
 @pytest.fixture(scope="session")
@@ -43,18 +32,26 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 def run_composed(output_dir: Path, cache_dir: Path, *overrides: str, wandb: str = "disabled") -> Path:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(
-            "config",
-            overrides=[
-                f"output_dir={output_dir}",
-                f"model.cache_dir={cache_dir}",
-                f"logger.wandb.mode={wandb}",
-                *TINY,
-                *overrides,
-            ],
-        )
+    cfg = compose("config", f"output_dir={output_dir}", f"model.cache_dir={cache_dir}", f"logger.wandb.mode={wandb}",
+                  *TINY, *overrides)
     return script.run(cfg)
+
+
+def run_crashing_in_round(crash_round: int, output_dir: Path, cache_dir: Path, *overrides: str) -> None:
+    """A composed run whose actor dies at the start of round ``crash_round``, as a killed job would."""
+    from rollout.job.actor import RolloutActor
+
+    run_round = RolloutActor.run_round
+
+    def crashing(self):
+        if self.round == crash_round:
+            raise RuntimeError("simulated crash")
+        return run_round(self)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(RolloutActor, "run_round", crashing)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            run_composed(output_dir, cache_dir, *overrides)
 
 
 def run_subprocess(cache_dir: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
@@ -86,22 +83,10 @@ def test_compose_overrides_change_row_count(cache_dir: Path, tmp_path: Path) -> 
     assert not (out / "wandb").exists()  # disabled: wandb is not even imported
 
 
-def test_resume_after_crash_has_no_duplicates_or_gaps(cache_dir: Path, tmp_path: Path, monkeypatch) -> None:
-    from rollout.job.actor import RolloutActor
-
+def test_resume_after_crash_has_no_duplicates_or_gaps(cache_dir: Path, tmp_path: Path) -> None:
     out, args = tmp_path / "o", ("sampling.n=2", "data.num_prompts=3", "rollout.rounds=3", "sampling.seed=1")
-    run_round = RolloutActor.run_round
-
-    def crash_in_round_2(self):
-        if self.round == 2:
-            raise RuntimeError("simulated crash")
-        return run_round(self)
-
-    monkeypatch.setattr(RolloutActor, "run_round", crash_in_round_2)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run_composed(out, cache_dir, *args)
+    run_crashing_in_round(2, out, cache_dir, *args)
     assert {r["round"] for r in rows(out)} == {0, 1}
-    monkeypatch.setattr(RolloutActor, "run_round", run_round)
     with pytest.raises(ValueError, match="already holds a run; set rollout.resume=true"):
         run_composed(out, cache_dir, *args)
     with pytest.raises(ValueError, match=r"cannot resume .* sampling.n: saved 2, now 3"):
@@ -325,29 +310,18 @@ def test_subprocess_data_error_exits_2_and_lands_in_rollout_log(cache_dir: Path,
 
 
 # ---- issue 14: partial rollouts through the job ----------------------------------------------------------
-def test_partial_mode_crash_and_resume_writes_every_group_once(cache_dir: Path, tmp_path: Path, monkeypatch) -> None:
+def test_partial_mode_crash_and_resume_writes_every_group_once(cache_dir: Path, tmp_path: Path) -> None:
     from collections import Counter
 
-    from rollout.job.actor import RolloutActor
     from rollout.job.trajectory_writer import TrajectoryWriter
 
     out = tmp_path / "o"
     args = ("rollout.mode=partial", "rollout.max_inflight_groups=3", "data.num_prompts=2", "sampling.n=2",
             "rollout.rounds=4", "rollout.reward=null")
-    run_round = RolloutActor.run_round
-
-    def crash_in_round_2(self):
-        if self.round == 2:
-            raise RuntimeError("simulated crash")
-        return run_round(self)
-
-    monkeypatch.setattr(RolloutActor, "run_round", crash_in_round_2)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run_composed(out, cache_dir, *args)
+    run_crashing_in_round(2, out, cache_dir, *args)
     probe = TrajectoryWriter(out, with_reward=False)
     assert probe.resume() == 2 and probe.state["inflight_groups"]  # carried over when it crashed
     carried = set(probe.state["inflight_groups"])
-    monkeypatch.setattr(RolloutActor, "run_round", run_round)
     run_composed(out, cache_dir, *args, "rollout.resume=true")
     table = rows(out)
     per_group = Counter(r["group_id"] for r in table)

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from rollout.serve.config import ServeConfig
-from tests.serve_helpers import ROOT, load_serve_script
+from tests.script_helpers import compose, load_script, message_regex
 
 
 def _config(*overrides: str) -> ServeConfig:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("serve", overrides=list(overrides))
-    return load_serve_script().load_config(cfg)
+    return load_script("serve").load_config(compose("serve", *overrides))
 
 
 def test_defaults_are_the_tiny_model_on_loopback():
@@ -35,5 +32,5 @@ def test_defaults_are_the_tiny_model_on_loopback():
     ],
 )
 def test_bad_settings_are_named(override, needle):
-    with pytest.raises(ValueError, match=needle.replace("+", r"\+").replace("[", r"\[")):
+    with pytest.raises(ValueError, match=message_regex(needle)):
         _config(override)

@@ -22,7 +22,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from rollout.assets import materialize_default_model
 from rollout.sampling_params import SamplingParams
 from tests.engine_helpers import hf_logprobs
-from tests.serve_helpers import ROOT, Server, in_process_engine
+from tests.script_helpers import ROOT, compose, load_script
+from tests.serve_helpers import Server, in_process_engine
 from trainer_hooks.client import RequestRejected, RolloutClient
 from trainer_hooks.snapshot import save_snapshot
 from trainer_hooks.trl import TRLRollout
@@ -104,6 +105,11 @@ def test_rejected_pushes_leave_the_old_weights_serving(env):
     bad["model.norm.weight"][0] = float("nan")  # only visible once the data arrived
     with pytest.raises(RequestRejected, match="finite"):
         env.client.push_weights(bad)
+    unpacked = {"/init_weight_transfer": {"master_address": "127.0.0.1", "master_port": 1, "packed": False},
+                "/update_weights": {"names": [], "dtype_names": [], "shapes": [], "packed": False}}
+    for path, body in unpacked.items():  # refused before anything joins or waits for tensors
+        status, text = env.server.post(path, json.dumps(body))
+        assert status == 400 and "packed=false is not supported" in text, (path, status, text)
     assert _served(env) == before and env.client.policy_version == 50
     assert env.client.push_weights(current, version=51) == 51  # the same group takes the next push
     _assert_serves(env, current)
@@ -234,20 +240,10 @@ def test_trl_rollout_takes_a_client(env, tmp_path):
 
 def test_train_grpo_against_the_server(env, tmp_path):
     """scripts/train_grpo.py rollout.mode=server: GRPOTrainer generating through the server, pushing each step."""
-    import importlib.util
-
-    from hydra import compose, initialize_config_dir
-
-    spec = importlib.util.spec_from_file_location("train_grpo_script", ROOT / "scripts" / "train_grpo.py")
-    script = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = script  # its dataclasses resolve their module through sys.modules
-    spec.loader.exec_module(script)
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("train_grpo", overrides=[
-            f"output_dir={tmp_path}", f"model.cache_dir={env.model_dir.parent}", "train.steps=2",
-            "rollout.mode=server", f"rollout.url={env.server.url}", "sampling.n=2", "sampling.max_tokens=4",
-            "data.num_prompts=2", "logger.wandb.mode=disabled",
-        ])
-    out = script.run(cfg)
+    out = load_script("train_grpo").run(compose(
+        "train_grpo", f"output_dir={tmp_path}", f"model.cache_dir={env.model_dir.parent}", "train.steps=2",
+        "rollout.mode=server", f"rollout.url={env.server.url}", "sampling.n=2", "sampling.max_tokens=4",
+        "data.num_prompts=2", "logger.wandb.mode=disabled",
+    ))
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2] and env.client.policy_version == 1

@@ -20,15 +20,8 @@ from rollout.config import EngineConfig
 from rollout.engine.tp_runner import start_tensor_parallel
 from tests.engine_helpers import random_prompts
 from tests.tiny_models import make_tiny_hf_model, save_tiny_checkpoint
+from tests.tp_helpers import CASES, TOL
 
-TOL = 1e-5
-CASES = {
-    "llama": ("llama", dict(attention_bias=True, mlp_bias=True)),
-    "qwen2": ("qwen2", {}),
-    "qwen2_kv1": ("qwen2", dict(num_key_value_heads=1)),
-    "qwen3": ("qwen3", {}),
-    "mistral": ("mistral", {}),
-}
 PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
     SamplingParams(temperature=0.9, max_tokens=10, ignore_eos=True, n=2, seed=7, logprobs_mode="raw"),

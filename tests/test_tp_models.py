@@ -24,18 +24,10 @@ from rollout.models import get_model_class
 from rollout.models.loader import load_checkpoint, load_hf_config, load_named_tensors
 from rollout.models.weights import WeightMapper
 from tests.tiny_models import make_kv_caches, make_metadata, make_tiny_hf_model, save_tiny_checkpoint
-from tests.tp_helpers import run_ranks
+from tests.tp_helpers import CASES, TOL, run_ranks
 
-TOL = 1e-5
 BLOCK_SIZE, NUM_BLOCKS = 4, 64
 STEPS = [[5, 9, 20], [1, 1, 12], [1, 1, 1]]  # prefill + a chunked prefill, then decode
-CASES = {
-    "llama": ("llama", dict(attention_bias=True, mlp_bias=True)),
-    "qwen2": ("qwen2", {}),
-    "qwen2_kv1": ("qwen2", dict(num_key_value_heads=1)),
-    "qwen3": ("qwen3", {}),
-    "mistral": ("mistral", {}),
-}
 VARIANTS = ("mixed", "greedy", "suppress", "filter")
 
 

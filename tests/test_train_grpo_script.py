@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from tests.script_helpers import compose, load_script
+from tests.script_helpers import compose, load_script, message_regex
 from tests.wandb_offline import read_run
 
 SMALL = ("train.steps=2", "sampling.n=2", "sampling.max_tokens=4", "data.num_prompts=2")
@@ -79,7 +79,7 @@ def _raw(*overrides: str) -> dict:
 )
 def test_train_script_refuses_bad_config(tmp_path, override, message):
     script = load_script("train_grpo")
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("+", r"\+").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=message_regex(message)):
         job, train, _ = script.load_config(_raw(override))
         from types import SimpleNamespace
 

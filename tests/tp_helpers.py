@@ -1,4 +1,5 @@
-"""Run a function on several CPU ranks over gloo: the tensor-parallel tests' harness.
+"""The tensor-parallel tests' harness: the model cases both TP test files check, and ``run_ranks``, which runs
+a function on several CPU ranks over gloo.
 
 Each rank is a fresh process (one torch thread), joined to a process group over a file store in a
 temp dir (no ports to race for); a rank's exception comes back as the test failure, and a rank that hangs
@@ -21,6 +22,17 @@ import torch.distributed as dist
 
 from rollout.distributed import TPGroup
 from rollout.engine.tp_workers import worker_context
+
+TOL = 1e-5  # float32 on the CPU: two ranks' numbers against one process's
+# case -> (tiny model family, config overrides): every family; Llama with all biases; Qwen2 also with a
+# single KV head, replicated on both ranks
+CASES = {
+    "llama": ("llama", dict(attention_bias=True, mlp_bias=True)),
+    "qwen2": ("qwen2", {}),
+    "qwen2_kv1": ("qwen2", dict(num_key_value_heads=1)),
+    "qwen3": ("qwen3", {}),
+    "mistral": ("mistral", {}),
+}
 
 
 def run_ranks(fn: Callable[..., None], world_size: int, *args: object, timeout: float = 120.0) -> None:

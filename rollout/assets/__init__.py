@@ -69,8 +69,9 @@ def _build_random_model(src: Path, out: Path, seed: int) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(src)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):  # the caller's random state is the same whether the cache was warm
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     for name in MODEL_FILES + TOKENIZER_FILES:
         shutil.copyfile(src / name, out / name)

@@ -45,14 +45,20 @@ async def _body(request: Request, model: type, wrapper: str) -> Any:
         raise APIError(status, message, param) from None
 
 
+async def _packed_body(request: Request, model: type, wrapper: str) -> Any:
+    """``_body`` for the NCCL endpoints: tensors travel only packed in flat buckets, never one call each."""
+    body = await _body(request, model, wrapper)
+    if not body.packed:
+        raise APIError(400, "packed=false is not supported: tensors travel packed in flat buckets", param="packed")
+    return body
+
+
 @router.post("/init_weight_transfer")
 @router.post("/init_weight_transfer_engine")
 async def init_weight_transfer(request: Request) -> dict[str, Any]:
     """Join the trainer's group (the trainer, rank 0, is joining it concurrently)."""
     st = state(request)
-    info: InitWeightTransfer = await _body(request, InitWeightTransfer, "init_info")
-    if not info.packed:
-        raise APIError(400, "packed=false is not supported: tensors travel packed in flat buckets", param="packed")
+    info: InitWeightTransfer = await _packed_body(request, InitWeightTransfer, "init_info")
     try:
         group = await asyncio.to_thread(st.receiver.join, info.master_address, info.master_port, info.world_size,
                                         info.rank_offset, info.backend, info.timeout_s)
@@ -76,9 +82,7 @@ async def bracket_weight_update() -> dict[str, str]:
 async def update_weights(request: Request) -> dict[str, Any]:
     """Receive one push (metadata here, tensors by broadcast), then swap it in at a step boundary."""
     st = state(request)
-    upd: UpdateWeights = await _body(request, UpdateWeights, "update_info")
-    if not upd.packed:
-        raise APIError(400, "packed=false is not supported: tensors travel packed in flat buckets", param="packed")
+    upd: UpdateWeights = await _packed_body(request, UpdateWeights, "update_info")
     try:
         specs = make_specs(upd.names, upd.dtype_names, upd.shapes)
     except (TypeError, ValueError) as e:
