@@ -158,8 +158,6 @@ def load_config(raw: dict[str, Any]) -> tuple[JobConfig, TrainConfig, RolloutMod
         if mode.mode != "engine" or train.trainer != "grpo":
             raise ValueError(f"pool.replicas={job.pool.replicas} needs rollout.mode=engine and train.trainer=grpo "
                              "(TRLRollout over the pool)")
-        if train.sleep_level:
-            raise ValueError("train.sleep_level must be 0 with pool.replicas > 1 (the replicas hold their own memory)")
     return job, train, mode
 
 
@@ -227,8 +225,7 @@ def train_grpo(job: JobConfig, train: TrainConfig, mode: RolloutMode | None = No
         exit_code = 0
     finally:
         setup.finish_wandb(exit_code)
-        if job.pool.replicas > 1 and (mode is None or mode.mode == "engine"):
-            engine.shutdown()  # the pool's Ray actors
+        setup.close_engine(job, engine)  # a pool's Ray actors
     log.info(steps.log.summary())
     return out
 

@@ -3,11 +3,14 @@
     rollout-train-ppo                                         # embedded tiny Llama, CPU, a couple of minutes
     rollout-train-ppo model=qwen3-0.6b engine=h200 train.steps=200 train.reward=exact_match
     rollout-train-ppo train.reward=my_pkg.rewards:score train.ppo.kl_coef=0.05 train.sleep_level=1
+    rollout-train-ppo pool.replicas=2 pool.gpus_per_replica=0 # a RolloutPool of 2 Ray actors generates
 
 (``python -m scripts.train_ppo ...`` from the repo root does the same.) The engine samples with the
 policy's weights, pushed after every optimizer step (``trainer_hooks.ppo_loop.EnginePPO``); its logprobs
-are the behaviour policy's. Logs a line per step (Hydra's log file too), writes output_dir/metrics.jsonl and
-step_times.json, and a W&B run (offline by default) with ``ppo/*``, ``rollout/*`` and the engine's
+are the behaviour policy's. ``pool.replicas`` > 1 generates with a ``RolloutPool`` built as for
+train_grpo.py (``train_setup.make_engine``); each push is broadcast to every replica. Logs a line per step
+(Hydra's log file too), writes output_dir/metrics.jsonl and step_times.json, and a W&B run (offline by
+default) with ``ppo/*``, ``rollout/*`` (a pool's per replica under ``rollout/pool/``) and the engine's
 resolved config. User errors are checked before loading; the script logs ``error: ...`` and exits with 2.
 """
 
@@ -100,7 +103,7 @@ def train_ppo(job: JobConfig, train: TrainConfig, on_push: Any = None) -> Path:
     tokenizer = setup.load_tokenizer(job, checkpoint)
     dataset = setup.build_dataset(job.data, tokenizer, train.reward)
     reward = load_reward(train.reward, "train.reward")
-    engine = setup.make_engine(job, checkpoint, tokenizer)
+    engine = setup.make_engine(job, checkpoint, tokenizer, train.torch_threads)
     device = engine.device
     cuda = device.type == "cuda"
     policy = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).to(device)
@@ -129,6 +132,7 @@ def train_ppo(job: JobConfig, train: TrainConfig, on_push: Any = None) -> Path:
         exit_code = 0
     finally:
         wandb.finish(exit_code)
+        setup.close_engine(job, engine)  # a pool's Ray actors
     log.info(steps_log.summary())
     return out
 

@@ -2,7 +2,8 @@
 
 Ray's start and each actor's imports take tens of seconds on a small box, so one pool serves every
 test, in order: parity with one engine, a gloo weight broadcast, then a replica killed mid-round
-(its replacement must catch up to the broadcast weights before taking work).
+(its replacement must catch up to the broadcast weights before taking work). The session has room for a
+second pool of 2, which scripts/train_ppo.py pool.replicas=2 builds for itself (last test).
 """
 
 from __future__ import annotations
@@ -65,10 +66,12 @@ def tiny_ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pool(tiny_ckpt):
     ray = pytest.importorskip("ray", reason="the pool needs Ray (pip install ray; see requirements.lock)")
+    from rollout.pool import ray_setup
     from rollout.pool.pool import RolloutPool
 
     factory = EngineFactory(str(tiny_ckpt), dtype="float32", device="cpu", options=OPTIONS)
     try:
+        ray_setup.init("local", num_cpus=4)  # room for this pool's 2 replicas and a script's 2
         p = RolloutPool(2, factory, max_inflight_seqs=4, torch_threads=1, transfer_timeout_s=60,
                         start_timeout_s=240)
     except Exception as e:  # noqa: BLE001 - no Ray on this box is a skip, not a failure
@@ -212,3 +215,45 @@ def test_a_replica_found_dead_at_a_push_is_replaced_and_the_push_lands_everywher
     prompt, greedy = [9, 8, 7], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     out = pool.ray.get(pool.members[1].actor.run.remote("check-new", prompt, greedy))
     assert_matches_hf(trainer, prompt, out.outputs[0], temperature=0.0, atol=1e-4)
+
+
+def test_train_ppo_script_over_a_pool(pool, tmp_path) -> None:
+    """scripts/train_ppo.py pool.replicas=2 (its own 2 replicas, in this file's Ray session): after every push
+    each replica is at the trainer's version and samples with the policy's logprobs; per-replica metrics."""
+    import json
+    import math
+
+    from tests.script_helpers import compose, load_script
+    from trainer_hooks.ppo import Sequences, token_logprobs
+
+    checks, pools = [], []
+
+    def after_push(ppo) -> None:
+        p, prompt = ppo.engine, [1, 4, 40, 41, 42]
+        versions = [r["policy_version"] for r in p.stats()["replicas"]]
+        gaps = []
+        for i, m in enumerate(p.members):  # each replica directly, not whichever the pool picks
+            c = p.ray.get(m.actor.run.remote(f"ppo-{ppo.version}-{i}", prompt, SamplingParams(max_tokens=4, seed=i)))
+            c = c.outputs[0]
+            with torch.no_grad():
+                want = token_logprobs(ppo.policy, Sequences.build([prompt], [list(c.token_ids)], ppo.pad_id), 1.0)
+            gaps.append((want[0, : len(c.token_ids)] - torch.tensor(c.logprobs)).abs().max().item())
+        checks.append((ppo.version, versions, gaps))
+        pools.append(p)
+
+    out = load_script("train_ppo").run(compose(
+        "train_ppo", f"output_dir={tmp_path}", f"model.cache_dir={tmp_path / 'cache'}", "pool.replicas=2",
+        "pool.gpus_per_replica=0", "train.steps=2", "sampling.n=2", "sampling.max_tokens=4", "data.num_prompts=2",
+        "train.ppo.ppo_epochs=1", "train.ppo.num_minibatches=2", "logger.wandb.mode=disabled",
+    ), on_push=after_push)
+    assert [v for v, _, _ in checks] == list(range(5))  # the first sync, then one push per optimizer step
+    assert all(versions == [v, v] and max(gaps) <= 1e-4 for v, versions, gaps in checks), checks
+    assert pools[0] is not pool and pools[0].members == []  # the script's own pool, shut down at the end
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2]
+    for x in lines:
+        assert all(math.isfinite(x[k]) for k in ("ppo/policy_loss", "ppo/value_loss", "reward")), x
+        assert x["rollout/logprob_gap_max"] <= 1e-4 and x["rollout/policy_version"] == 2 * (x["step"] - 1)
+        assert x["rollout/pool/alive"] == 2 and x["rollout/generated_tokens"] > 0
+        assert all(x[f"rollout/pool/replica_{i}/alive"] == 1 for i in (0, 1))
+        assert sum(x[f"rollout/pool/replica_{i}/round_tokens_per_s"] for i in (0, 1)) > 0

@@ -125,3 +125,18 @@ def test_train_ppo_refuses_bad_config(tmp_path, override, message):
     script = load_script("train_ppo")
     with pytest.raises(ValueError, match=message_regex(message)):
         script.run(compose("train_ppo", f"output_dir={tmp_path}", override))
+
+
+def test_ppo_over_a_pool_refuses_sleep(tmp_path):
+    """A pool's replicas keep their memory: train.sleep_level is refused, by the script and by EnginePPO."""
+    from types import SimpleNamespace
+
+    from trainer_hooks.ppo_loop import EnginePPO
+
+    with pytest.raises(ValueError, match="train.sleep_level must be 0 with pool.replicas > 1"):
+        load_script("train_ppo").run(compose("train_ppo", f"output_dir={tmp_path}", "pool.replicas=2",
+                                             "train.sleep_level=1"))
+    pool = SimpleNamespace(update_weights=None, policy_version=0)  # no sleep(), as a RolloutPool
+    with pytest.raises(ValueError, match="sleep_level=1 needs an in-process engine"):
+        EnginePPO(pool, torch.nn.Linear(1, 1), None, torch.nn.Linear(1, 1), None, None, PPOConfig(),
+                  SamplingParams(temperature=1.0), sleep_level=1)

@@ -132,6 +132,7 @@ def test_grpo_generates_with_a_pool_of_two_replicas(tmp_path):
         ray.shutdown()
     (line,) = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert line["step"] == 1 and line["rollout/generated_tokens"] == 2 * 2 * 4 and "rollout/logprob_gap_max" in line
+    assert line["rollout/pool/alive"] == 2 and line["rollout/pool/replica_1/alive"] == 1  # per replica, as PPO's
 
 
 @pytest.mark.parametrize("overrides, err", [

@@ -13,6 +13,9 @@ so windows never overlap and nothing in the engine is reset.
   ``rollout/staleness_mean`` / ``_max`` (of the groups handed out), ``rollout/dropped_groups``,
   ``rollout/regenerated_groups``, ``rollout/carried_over_groups`` / ``_tokens`` (still running at the end of
   the call, or at a weight push for the async worker), ``rollout/tail_batch_size``
+- a ``RolloutPool``'s per-replica numbers, named as the rollout job names them (``PoolMeter``) under
+  ``rollout/``: ``rollout/pool/replica_<i>/{round_tokens_per_s,tokens_per_s,kv_cache_usage,alive,...}``
+  (``round_tokens_per_s`` over the window) and ``rollout/pool/{alive,failures,tokens_per_s}``
 """
 
 from __future__ import annotations
@@ -24,14 +27,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rollout.job.round_metrics import RoundTrace, partial_metrics, tail_batch_size
+from rollout.job.round_metrics import PoolMeter, RoundTrace, partial_metrics, tail_batch_size
 
 
 class EngineWindow:
-    """Counters of one engine between ``start`` (construction) and ``close``."""
+    """Counters of one engine (or pool) between ``start`` (construction) and ``close``."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
+        self.replicas: PoolMeter | None = None
+        if is_pool(engine):
+            self.replicas = PoolMeter()
+            self.replicas.metrics(engine.stats(), 1.0)  # each replica's counters at the window's start
         self.before = engine.get_stats()
         self.t0 = time.perf_counter()
 
@@ -41,7 +48,9 @@ class EngineWindow:
         steps = after.num_steps - self.before.num_steps
         tokens = after.num_generated_tokens - self.before.num_generated_tokens
         kv = getattr(after, "kv_cache_usage_sum", 0.0) - getattr(self.before, "kv_cache_usage_sum", 0.0)
+        per_replica = {} if self.replicas is None else self.replicas.metrics(self.engine.stats(), seconds)
         return {
+            **{f"rollout/{k}": float(v) for k, v in per_replica.items()},
             "rollout/generation_s": seconds,
             "rollout/generated_tokens": float(tokens),
             "rollout/tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
@@ -50,6 +59,11 @@ class EngineWindow:
             "rollout/preemptions": float(after.num_preemptions - self.before.num_preemptions),
             "rollout/policy_version": float(after.policy_version),
         }
+
+
+def is_pool(engine: Any) -> bool:
+    """A ``RolloutPool`` (duck-typed, so Ray is never imported here): per-replica ``stats()`` and a factory."""
+    return callable(getattr(engine, "stats", None)) and hasattr(engine, "engine_factory")
 
 
 def policy_lag(current_version: int, completions_versions: Iterable[Sequence[int]]) -> dict[str, float]:
@@ -69,7 +83,7 @@ def partial_rollout_metrics(trace: RoundTrace, t1: float) -> dict[str, float]:
 
 def engine_run_config(engine: Any) -> dict[str, Any]:
     """The engine's resolved settings (what ``auto`` / ``None`` became), for the run's config."""
-    if not hasattr(engine, "config") and hasattr(engine, "engine_factory"):  # a RolloutPool: its replicas' recipe
+    if not hasattr(engine, "config") and is_pool(engine):  # a RolloutPool: its replicas' recipe
         factory = engine.engine_factory
         return {**dict(getattr(factory, "options", {}) or {}), "pool_replicas": len(engine.members),
                 "dtype": getattr(factory, "dtype", None), "device": str(getattr(engine, "device", None))}

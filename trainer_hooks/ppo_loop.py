@@ -5,7 +5,8 @@ reward scores them, one no-grad pass computes the policy's own logprobs (for the
 gap), the frozen reference's and the values; GAE turns per-token rewards into advantages; then
 ``ppo_epochs`` x ``num_minibatches`` optimizer steps on the clipped policy and value losses, each followed by
 a weight push to the engine (``push_weights``, version = optimizer steps so far), so the engine always
-serves the policy being trained.
+serves the policy being trained. The engine may be a ``RolloutPool``: each push is broadcast to every
+replica, and they all reach that version before any generates again.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ class EnginePPO:
         self.policy, self.value_model, self.ref = policy, value_model, ref_model.eval().requires_grad_(False)
         self.tokenizer, self.reward_fn, self.cfg = tokenizer, reward_fn, config
         self.sampling = dataclasses.replace(sampling, logprobs_mode="policy")
+        if sleep_level and not hasattr(self.engine, "sleep"):
+            raise ValueError(f"sleep_level={sleep_level} needs an in-process engine; a {type(self.engine).__name__}"
+                             " keeps its own memory (use 0)")
         self.sleep_level, self.bf16, self.on_push = sleep_level, bf16, on_push
         self.device = next(policy.parameters()).device
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -89,8 +93,10 @@ class EnginePPO:
 
     def push(self) -> None:
         t0 = time.perf_counter()
-        push_weights(self.target, HFWeights(self.policy), version=self.version)
+        reached = push_weights(self.target, HFWeights(self.policy), version=self.version)
         seconds = time.perf_counter() - t0
+        if reached != self.version:  # the next rollout's logprobs would not be this policy's
+            raise RuntimeError(f"the engine is at policy_version {reached} after pushing version {self.version}")
         self._push_s.append(seconds)
         self.seconds["weight_push"] += seconds
         if self.on_push is not None:

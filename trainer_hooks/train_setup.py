@@ -63,7 +63,10 @@ def load_job(raw: Mapping[str, Any], train_cls: type) -> tuple[JobConfig, Any]:
     if job.sampling.logprobs_mode != "policy":
         raise ValueError(f"sampling.logprobs_mode={job.sampling.logprobs_mode!r} is invalid for training: "
                          "must be 'policy' (the logprob the trainer recomputes)")
-    return job, train_cls(**train)
+    train_cfg = train_cls(**train)
+    if job.pool.replicas > 1 and train_cfg.sleep_level:
+        raise ValueError("train.sleep_level must be 0 with pool.replicas > 1 (the replicas hold their own memory)")
+    return job, train_cfg
 
 
 # ---- model, tokenizer, data, engine ---------------------------------------------------------------------
@@ -110,6 +113,13 @@ def make_pool(job: JobConfig, checkpoint: Path, torch_threads: int | None = None
                        gpus_per_replica=job.pool.gpus_per_replica, torch_threads=torch_threads)
     pool.device = torch.device(job.model.device or ("cuda" if torch.cuda.is_available() else "cpu"))  # the trainer's
     return pool
+
+
+def close_engine(job: JobConfig, engine: Any) -> None:
+    """Stop what ``make_engine`` started outside this process: a pool's Ray actors (an in-process engine
+    goes with the process; a server client owns nothing)."""
+    if job.pool.replicas > 1:
+        engine.shutdown()
 
 
 def build_dataset(cfg: DataConfig, tokenizer: Any, reward: str) -> Any:
