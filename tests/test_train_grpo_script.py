@@ -22,7 +22,11 @@ def test_train_script_runs_and_logs_rewards(tmp_path, caplog, trainer):
     ))
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2] and all("reward" in x for x in lines)
-    assert all("rollout/tokens_per_s" in x and "rollout/logprob_gap_max" in x for x in lines), sorted(lines[-1])
+    assert all("rollout/logprob_gap_max" in x for x in lines), sorted(lines[-1])
+    # GRPO generates inside every step; the async worker's window metrics come when a group finishes, and a
+    # step served from groups already buffered logs none (tests/test_trl.py says when they must have come).
+    with_speed = [x for x in lines if "rollout/tokens_per_s" in x]
+    assert with_speed == lines if trainer == "grpo" else with_speed, sorted(lines[-1])
     assert "step    2  reward" in caplog.text and "digit_fraction: mean of the first" in caplog.text
 
 
