@@ -261,11 +261,13 @@ class WeightReceiver:
             error = self._check(specs, BUCKET_BYTES)
             if error is not None:
                 raise PushRejected(error)
-            views, buffers = open_weights(specs, handles, self.device)
+            views: list = []
+            buffers: list = []
             try:
+                views, buffers = open_weights(specs, handles, self.device)
                 return apply(views)
             except BaseException as e:
-                traceback.clear_frames(e.__traceback__)  # frames would keep views, so the mapping, alive
+                traceback.clear_frames(e.__traceback__)  # its frames would keep views, so the mappings, alive
                 raise
             finally:
                 views.clear()
