@@ -15,7 +15,15 @@ import torch
 
 from rollout import SamplingParams
 from rollout.engine.transfer_group import PushRejected
-from rollout.engine.weight_handles import SHM_DIR, SHM_PREFIX, bucket_ranges, export_weights, open_weights
+from rollout.engine.weight_handles import (
+    SHM_DIR,
+    SHM_PREFIX,
+    BucketHandle,
+    bucket_ranges,
+    cuda_index,
+    export_weights,
+    open_weights,
+)
 from rollout.engine.weight_transfer import TensorSpec, WeightReceiver, dtype_name
 from rollout.pool import EngineFactory
 from rollout.pool.colocate import TrainerPlace, check_replica, check_source
@@ -63,6 +71,16 @@ def test_buckets_hold_whole_tensors_and_views_round_trip() -> None:
     with pytest.raises(ValueError, match="announced"):  # a tensor other than announced: nothing left behind
         export_weights(specs, pairs[:1] + pairs[2:], "cpu")
     assert _leftovers() == []
+
+
+def test_cuda_handles_need_the_trainers_gpu() -> None:
+    specs = [TensorSpec("a", "float32", (1,))]
+    with pytest.raises(ValueError, match="engine on the trainer's GPU"):
+        open_weights(specs, [BucketHandle(0, 1, 4, "cuda", ("GPU-x", ()))], "cpu")
+    with pytest.raises(ValueError, match="GPU GPU-x is not visible"):
+        cuda_index("GPU-x")
+    with pytest.raises(ValueError, match="not a weight bucket"):  # only our own files are ever mapped
+        open_weights(specs, [BucketHandle(0, 1, 4, "shm", "/etc/passwd")], "cpu")
 
 
 def test_receiver_validates_like_update_weights_and_keeps_old_weights() -> None:

@@ -176,7 +176,8 @@ def open_weights(specs: list[TensorSpec], handles: list[BucketHandle], device: t
 def _open(h: BucketHandle, device: torch.device) -> torch.Tensor:
     if h.kind == "shm":
         path = h.ref
-        if not isinstance(path, str) or not os.path.basename(path).startswith(SHM_PREFIX):
+        if not isinstance(path, str) or os.path.dirname(path) != SHM_DIR \
+                or not os.path.basename(path).startswith(SHM_PREFIX):
             raise ValueError(f"not a weight bucket: {path!r}")
         if not os.path.exists(path):
             raise ValueError(f"the trainer's weight bucket {path} does not exist here: weights by handle need the "

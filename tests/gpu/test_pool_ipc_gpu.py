@@ -64,6 +64,7 @@ def _push_checks(pool, by_handle: int, by_broadcast: int) -> None:
     assert isinstance(pool, RolloutPool)
     assert pool.members[0].info["device_uuid"] == gpu_uuid("cuda:0")  # replica 0 is on the trainer's GPU
     trainer = hf_model(1)
+    assert pool.update_weights(hf_model(2).named_parameters(), version=2) == 2  # opens any group, warms up
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated(0)
     assert pool.update_weights(trainer.named_parameters(), version=3) == 3
