@@ -142,16 +142,30 @@ def test_pool_config_marks_the_colocated_replica() -> None:
 
 # ---- a Ray pool: replica 0 co-located (by handle), replica 1 by gloo broadcast ------------------------
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory, ray_local):
+def pool(tmp_path_factory):
+    ray = pytest.importorskip("ray", reason="the pool needs Ray (pip install ray; see requirements.lock)")
     from rollout.pool.pool import RolloutPool
 
     path = tmp_path_factory.mktemp("colocate") / "tiny-llama"
     save_tiny_checkpoint(make_tiny_hf_model("llama", seed=0), path)
+    from rollout.pool import ray_setup
+
     factory = EngineFactory(str(path), dtype="float32", device="cpu", options=OPTIONS)
-    p = RolloutPool(2, factory, max_inflight_seqs=4, torch_threads=1, transfer_timeout_s=60, start_timeout_s=240,
-                    colocate_with_trainer=True, trainer_device="cpu")
+    try:
+        ray_setup.init("local", num_cpus=3)
+    except Exception as e:  # noqa: BLE001 - no Ray on this box is a skip, not a failure
+        if ray.is_initialized():
+            ray.shutdown()
+        pytest.skip(f"Ray could not start here: {e!r}")
+    try:
+        p = RolloutPool(2, factory, max_inflight_seqs=4, torch_threads=1, transfer_timeout_s=60, start_timeout_s=240,
+                        colocate_with_trainer=True, trainer_device="cpu")
+    except BaseException:
+        ray.shutdown()
+        raise
     yield p
-    p.shutdown()  # Ray stays up for the next pool test file (conftest's ray_local)
+    p.shutdown()
+    ray.shutdown()
 
 
 def _ask_each(pool, tag: str) -> list:
