@@ -93,8 +93,9 @@ class RolloutPool:
             for i in range(replicas):
                 self.members.append(self._start(i, _Member(colocated=colocate_with_trainer and i == 0)))
                 if i == 0 and colocate_with_trainer and actor["num_gpus"]:
-                    # Ray hands out the lowest free GPU first; the trainer's (cuda:0, unknown to Ray) must go to
-                    # replica 0, not to a broadcast replica: the others start once it holds it (checked by UUID)
+                    # Ray hands out the lowest free GPU first, and does not know this process (the trainer,
+                    # typically on cuda:0) uses one: replica 0 must get it, not a broadcast replica, so the
+                    # others start once replica 0 holds it (its UUID is checked against the trainer's)
                     self.ray.wait([self.members[0].pending], timeout=start_timeout_s)
             self.wait_ready()
         except BaseException:
