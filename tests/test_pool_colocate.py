@@ -144,12 +144,11 @@ def test_pool_config_marks_the_colocated_replica() -> None:
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
     ray = pytest.importorskip("ray", reason="the pool needs Ray (pip install ray; see requirements.lock)")
+    from rollout.pool import ray_setup
     from rollout.pool.pool import RolloutPool
 
     path = tmp_path_factory.mktemp("colocate") / "tiny-llama"
     save_tiny_checkpoint(make_tiny_hf_model("llama", seed=0), path)
-    from rollout.pool import ray_setup
-
     factory = EngineFactory(str(path), dtype="float32", device="cpu", options=OPTIONS)
     try:
         ray_setup.init("local", num_cpus=3)
