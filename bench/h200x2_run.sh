@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The two-H200 session in two calls (wheels from ../shared/device/wheels.sh serve + ray carried in .whl):
+# The two-H200 session in three calls (wheels from ../shared/device/wheels.sh serve + ray carried in .whl):
 #   bash bench/h200x2_run.sh 1   # the whole GPU suite (TP and server tests included) + TP W1-short
 #   bash bench/h200x2_run.sh 2   # W2 bf16 vs fp8 KV (+ logprob check), server bars, pool throughput
+#   bash bench/h200x2_run.sh 3   # pool weight push bar (0.1 s): replica 0 co-located on GPU 0 by CUDA IPC,
+#                                # replica 1 on GPU 1 by NCCL; then the CUDA IPC GPU tests
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -17,5 +19,10 @@ case "${1:-1}" in
   timeout 150 python3 bench/serve_bench.py --repeats 2 --out "$OUT/serve.jsonl" 2>&1 | grep -v -i warn | tail -6
   timeout 120 python3 bench/pool_bench.py --mode throughput --prompts 16 --out "$OUT/pool.jsonl" 2>&1 \
     | grep -v -i warn | tail -4
+  ;;
+3)
+  timeout 240 python3 bench/pool_bench.py --mode push --colocate --out "$OUT/pool_push.jsonl" 2>&1 \
+    | grep -v -i warn | tail -4
+  timeout 240 python3 -m pytest -x -s -q -p no:cacheprovider tests/gpu/test_pool_ipc_gpu.py 2>&1 | tail -15
   ;;
 esac

@@ -109,9 +109,11 @@ def make_pool(job: JobConfig, checkpoint: Path, torch_threads: int | None = None
 
     factory = EngineFactory(str(checkpoint), job.model.dtype, job.model.device, job.model.tokenizer or str(checkpoint),
                             dataclasses.asdict(job.engine))
+    device = torch.device(job.model.device or ("cuda" if torch.cuda.is_available() else "cpu"))  # the trainer's
     pool = RolloutPool(job.pool.replicas, factory, address=job.pool.address,
-                       gpus_per_replica=job.pool.gpus_per_replica, torch_threads=torch_threads)
-    pool.device = torch.device(job.model.device or ("cuda" if torch.cuda.is_available() else "cpu"))  # the trainer's
+                       gpus_per_replica=job.pool.gpus_per_replica, torch_threads=torch_threads,
+                       colocate_with_trainer=job.pool.colocate_with_trainer, trainer_device=device)
+    pool.device = device
     return pool
 
 

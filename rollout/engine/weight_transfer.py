@@ -13,20 +13,25 @@ tensors, through the engine's own ``WeightMapper.validate``) and posts its verdi
 the sender waits for every verdict, so a rejected push fails fast on both sides and the group stays usable.
 
 The group is ``transfer_group.TransferGroup``. Nothing here knows about HTTP or engines: the server and
-the Ray pool both build on it.
+the Ray pool both build on it. An engine on the trainer's own GPU cannot be a rank (NCCL refuses two ranks
+on one GPU): ``weight_handles`` shares the same layout's buckets with it by handle instead, and
+``WeightReceiver.receive_handles`` applies them with the same checks.
 """
 
 from __future__ import annotations
 
 import threading
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from rollout.engine.transfer_group import PushRejected, TransferError, TransferGroup, cuda_device, post_verdict
 
+T = TypeVar("T")
 BUCKET_BYTES = 1 << 30
 ALIGN = 256  # byte alignment of every tensor in the stream (views of the staging buffer need it)
 DTYPES = {
@@ -140,7 +145,7 @@ def send_weights(group: TransferGroup, specs: list[TensorSpec], named_tensors: I
         buf = buffers[slot]
         for i, lo, hi, dst in pieces:
             while current_i < i:
-                current, current_i = _next_tensor(source, specs, current_i + 1), current_i + 1
+                current, current_i = next_bytes(source, specs, current_i + 1), current_i + 1
             buf[dst : dst + hi - lo].copy_(current[lo:hi], non_blocking=True)  # type: ignore[index]
         works[slot] = group.broadcast(buf[: b - a])
         if on_chunk is not None:
@@ -149,7 +154,7 @@ def send_weights(group: TransferGroup, specs: list[TensorSpec], named_tensors: I
         if w is not None:
             w.wait()
     while current_i < len(specs) - 1:  # trailing empty tensors own no bytes but must still be there
-        _next_tensor(source, specs, current_i + 1)
+        next_bytes(source, specs, current_i + 1)
         current_i += 1
     if next(source, None) is not None:
         raise ValueError(f"more tensors than the {len(specs)} announced")
@@ -158,7 +163,8 @@ def send_weights(group: TransferGroup, specs: list[TensorSpec], named_tensors: I
     return total
 
 
-def _next_tensor(source: Iterator[tuple[str, torch.Tensor]], specs: list[TensorSpec], i: int) -> torch.Tensor:
+def next_bytes(source: Iterator[tuple[str, torch.Tensor]], specs: list[TensorSpec], i: int) -> torch.Tensor:
+    """The next source tensor's bytes, cast to ``specs[i]``'s dtype, once its name and shape are as announced."""
     item = next(source, None)
     spec = specs[i]
     if item is None:
@@ -187,8 +193,12 @@ def receive_weights(group: TransferGroup, specs: list[TensorSpec], bucket_bytes:
             torch.cuda.current_stream(group.device).synchronize()
     except Exception as e:  # noqa: BLE001 - whatever the backend raises, the group is now unusable
         raise TransferError(f"weight transfer failed after the verdict: {e}") from e
-    views = [(s.name, staging[o : o + s.nbytes].view(s.torch_dtype).view(s.shape)) for s, o in zip(specs, offsets)]
-    return views, staging
+    return tensor_views(specs, offsets, staging), staging
+
+
+def tensor_views(specs: list[TensorSpec], offsets: list[int], buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) views of a flat byte buffer laid out by ``layout``: nothing is copied."""
+    return [(s.name, buffer[o : o + s.nbytes].view(s.torch_dtype).view(s.shape)) for s, o in zip(specs, offsets)]
 
 
 class WeightReceiver:
@@ -241,6 +251,27 @@ class WeightReceiver:
                 self.close()
                 raise
             return views
+
+    def receive_handles(self, specs: list[TensorSpec], handles: list, apply: Callable[[list], T]) -> T:
+        """A co-located push (``weight_handles``): the same metadata check as a broadcast's, then ``apply`` (the
+        engine's ``update_weights``) on views of the trainer's buckets, which are unmapped before returning."""
+        from rollout.engine.weight_handles import open_weights
+
+        with self._exclusive():
+            error = self._check(specs, BUCKET_BYTES)
+            if error is not None:
+                raise PushRejected(error)
+            views: list = []
+            buffers: list = []
+            try:
+                views, buffers = open_weights(specs, handles, self.device)
+                return apply(views)
+            except BaseException as e:
+                traceback.clear_frames(e.__traceback__)  # its frames would keep views, so the mappings, alive
+                raise
+            finally:
+                views.clear()
+                buffers.clear()
 
     def _check(self, specs: list[TensorSpec], bucket_bytes: int) -> str | None:
         try:

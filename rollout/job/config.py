@@ -204,6 +204,7 @@ class PoolConfig:
     replicas: int = 1  # 1 = the in-process engine (no Ray); more = a RolloutPool of Ray actors
     address: str = "local"  # local = start Ray on this machine; else a Ray cluster address to join
     gpus_per_replica: float = 1  # GPUs each replica's actor reserves (0 on a CPU-only machine)
+    colocate_with_trainer: bool = False  # replica 0 on the trainer's GPU (veRL's hybrid engine), weights by CUDA IPC
 
     def __post_init__(self) -> None:
         check_int("pool.replicas", self.replicas, lo=1)
@@ -211,6 +212,13 @@ class PoolConfig:
         if isinstance(self.gpus_per_replica, bool) or not isinstance(self.gpus_per_replica, (int, float)) \
                 or self.gpus_per_replica < 0:
             fail("pool.gpus_per_replica", self.gpus_per_replica, "a number >= 0")
+        check_bool("pool.colocate_with_trainer", self.colocate_with_trainer)
+        if self.colocate_with_trainer and self.replicas < 2:
+            fail("pool.colocate_with_trainer", True, "false with pool.replicas=1 (that one engine runs in the "
+                 "trainer's process already, without Ray; co-locating needs pool.replicas >= 2)")
+        if self.colocate_with_trainer and self.gpus_per_replica > 1:
+            fail("pool.colocate_with_trainer", True, f"false with pool.gpus_per_replica={self.gpus_per_replica} "
+                 "(a co-located replica holds one GPU: the trainer's)")
 
 
 @dataclass(frozen=True, slots=True)

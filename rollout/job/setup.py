@@ -121,6 +121,10 @@ def load_pool(job: JobConfig, model_path: Path, tokenizer: Any, options: dict[st
     from rollout.pool.engine_view import PoolEngine
     from rollout.pool.pool import RolloutPool
 
+    if job.pool.colocate_with_trainer:
+        raise ValueError("pool.colocate_with_trainer=true is for the training scripts (scripts/train_grpo.py), where "
+                         "replica 0 shares the trainer's GPU; this job has no trainer process (its weights come "
+                         "from rollout.weights_from or a server push): set it to false")
     factory = EngineFactory(str(model_path), job.model.dtype, job.model.device, tokenizer, options)
     pool = RolloutPool(job.pool.replicas, factory, address=job.pool.address,
                        gpus_per_replica=job.pool.gpus_per_replica, torch_threads=job.rollout.torch_threads)

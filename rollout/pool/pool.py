@@ -17,7 +17,8 @@ Weights: the process that calls ``update_weights`` (the trainer) is rank 0 of a 
 the replicas are ranks 1..N (gloo on CPU, NCCL on GPUs); the bytes travel as ``weight_transfer``'s
 flat buckets and each replica applies them with ``Engine.update_weights``, the server's code path. No
 group is dispatched while a push is in flight, so every replica is at the same ``policy_version``
-before any takes new work.
+before any takes new work. With ``colocate_with_trainer`` replica 0 runs on the trainer's own device
+(``colocate``) and takes the same push by handle (CUDA IPC / shared memory) instead of by broadcast.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from typing import Any
 from rollout.engine.stats import EngineStats
 from rollout.engine.validation import normalize_params, normalize_prompts
 from rollout.outputs import RequestOutput
-from rollout.pool import ray_setup
+from rollout.pool import colocate, ray_setup
 from rollout.pool import transfer as pool_transfer
+from rollout.pool.colocate import TrainerPlace
 from rollout.pool.dispatch import Dispatcher, Slot
 from rollout.pool.replica import Replica
 from rollout.pool.transfer import PoolTransfer
@@ -49,39 +51,65 @@ class _Member:
     state: str = "starting"  # starting -> catching_up -> active; dead while its replacement is created
     pending: Any = None  # ObjectRef of ready() or load_state() while starting / catching up
     capacity: int = 0
+    colocated: bool = False  # on the trainer's device: weights by handle, not by broadcast
+    info: dict[str, Any] | None = None  # the actor's ready() answer (device, GPU uuid, node, pid)
 
 
 class RolloutPool:
     def __init__(self, replicas: int, engine_factory: Callable[[], Any], address: str = "local",
                  gpus_per_replica: float = 0, cpus_per_replica: float = 1, max_inflight_seqs: int | None = None,
                  seed: int = 0, transfer_timeout_s: float = 600.0, start_timeout_s: float = 600.0,
-                 torch_threads: int | None = None) -> None:
+                 torch_threads: int | None = None, colocate_with_trainer: bool = False,
+                 trainer_device: Any = None) -> None:
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
         if not callable(engine_factory):
             raise TypeError(f"engine_factory must be a callable returning an Engine, got {engine_factory!r}")
         if max_inflight_seqs is not None and (not isinstance(max_inflight_seqs, int) or max_inflight_seqs < 1):
             raise ValueError(f"max_inflight_seqs must be an int >= 1 or None, got {max_inflight_seqs!r}")
+        if not isinstance(colocate_with_trainer, bool):
+            raise TypeError(f"colocate_with_trainer must be a bool, got {colocate_with_trainer!r}")
         self.ray = ray_setup.init(address, num_cpus=replicas * cpus_per_replica + 1)
         self.address = address
         self.engine_factory, self.torch_threads = engine_factory, torch_threads
         self.max_inflight_seqs = max_inflight_seqs
         self.start_timeout_s = start_timeout_s
-        self._actor_cls = self.ray.remote(Replica).options(
-            num_cpus=cpus_per_replica, num_gpus=gpus_per_replica, max_restarts=0, max_concurrency=1000)
+        actor = dict(num_cpus=cpus_per_replica, num_gpus=gpus_per_replica, max_restarts=0, max_concurrency=1000)
+        self._actor_cls = self.ray.remote(Replica).options(**actor)
+        self.place: TrainerPlace | None = None  # the trainer's device and node, with a co-located replica
+        if colocate_with_trainer:
+            self.place = TrainerPlace.here(self.ray, trainer_device)
+            actor.update(colocate.actor_options(self.ray, self.place, gpus_per_replica))
+            self._colocated_cls = self.ray.remote(Replica).options(**actor)
         self._rng = random.Random(seed)
         self._lock = threading.RLock()  # dispatch vs weight pushes
         self._round = 0
         self.policy_version = 0
         self.last_round: dict[str, Any] = {}
         self.failures: list[dict[str, Any]] = []  # every replica death seen, all rounds
-        self.members = [self._start(i, _Member()) for i in range(replicas)]
+        self.members: list[_Member] = []
         self.transfer = PoolTransfer(self, transfer_timeout_s)
-        self.wait_ready()
+        try:
+            for i in range(replicas):
+                self.members.append(self._start(i, _Member(colocated=colocate_with_trainer and i == 0)))
+                if i == 0 and colocate_with_trainer and actor["num_gpus"]:
+                    # Ray hands out the lowest free GPU first, and does not know this process (the trainer,
+                    # typically on cuda:0) uses one: replica 0 must get it, not a broadcast replica, so the
+                    # others start once replica 0 holds it (its UUID is checked against the trainer's)
+                    self.ray.wait([self.members[0].pending], timeout=start_timeout_s)
+            self.wait_ready()
+        except BaseException:
+            self.shutdown()  # a replica that cannot start (or sits on the wrong device) takes the pool down
+            raise
 
     # ---- membership ------------------------------------------------------------------------------
     def _start(self, index: int, member: _Member) -> _Member:
-        member.actor = self._actor_cls.remote(self.engine_factory, index, self.torch_threads)
+        if member.colocated:
+            assert self.place is not None
+            member.actor = self._colocated_cls.remote(self.engine_factory, index, self.torch_threads,
+                                                      self.place.device_uuid)
+        else:
+            member.actor = self._actor_cls.remote(self.engine_factory, index, self.torch_threads)
         member.generation += 1
         member.state, member.pending = "starting", member.actor.ready.remote()
         return member
@@ -110,6 +138,9 @@ class RolloutPool:
                     continue
                 m.pending = None
                 if m.state == "starting":
+                    m.info = answer
+                    if self.place is not None:
+                        colocate.check_replica(i, answer, self.place, m.colocated)
                     # Default: a running batch plus one batch waiting inside the engine, so a slot freed
                     # by a finished sample is refilled at once, not after the driver's round trip.
                     m.capacity = self.max_inflight_seqs or 2 * answer["max_num_seqs"]

@@ -9,32 +9,44 @@ Weights arrive over the pool's ``TransferGroup`` through ``WeightReceiver`` and 
 the same code the HTTP server uses (validate everything, then copy). A replacement replica catches up
 from a survivor's state (``export_state`` / ``load_state``) before it takes any work.
 
-Nothing here imports Ray: ``pool.py`` wraps ``Replica`` with ``ray.remote``, so the class is testable in
-process and the module imports without Ray installed.
+A replica co-located with the trainer (``device_uuid``: the trainer's GPU) takes pushes by handle instead
+(``receive_weights_by_handle``), through the same receiver and ``Engine.update_weights``.
+
+Nothing here imports Ray at module level (``ready`` asks it for the node id when present): ``pool.py``
+wraps ``Replica`` with ``ray.remote``, so the class is testable in process and imports without Ray.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
 
 from rollout.engine.validation import check_lengths, to_token_ids
+from rollout.engine.weight_handles import BucketHandle, cuda_index, gpu_uuid
 from rollout.engine.weight_transfer import BUCKET_BYTES, TensorSpec, WeightReceiver
 from rollout.outputs import RequestOutput
+from rollout.pool.factory import EngineFactory
 from rollout.sampling_params import SamplingParams
 
 
 class Replica:
-    def __init__(self, engine_factory: Callable[[], Any], index: int = 0, torch_threads: int | None = None) -> None:
+    def __init__(self, engine_factory: Callable[[], Any], index: int = 0, torch_threads: int | None = None,
+                 device_uuid: str | None = None) -> None:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.index = index
+        if device_uuid is not None:  # co-located with the trainer: its GPU, found by UUID (indices differ per process)
+            gpu = cuda_index(device_uuid)
+            torch.cuda.set_device(gpu)
+            if isinstance(engine_factory, EngineFactory):
+                engine_factory = replace(engine_factory, device=f"cuda:{gpu}")
         self.engine = engine_factory()
         self.receiver = WeightReceiver(self.engine.device, self.engine.weights.mapper.validate)
         self._futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -50,7 +62,8 @@ class Replica:
         """What the pool needs to schedule onto this replica (capacity in sequences) and its version."""
         e = self.engine
         return {"index": self.index, "max_num_seqs": e.config.max_num_seqs, "policy_version": e.policy_version,
-                "device": str(e.device), "num_blocks": e.num_blocks}
+                "device": str(e.device), "num_blocks": e.num_blocks, "pid": os.getpid(), "node_id": _node_id(),
+                "device_uuid": gpu_uuid(e.device) if e.device.type == "cuda" else None}
 
     def stats(self) -> dict[str, Any]:
         s = asdict(self.engine.get_stats())
@@ -121,6 +134,14 @@ class Replica:
         views = await asyncio.to_thread(self.receiver.receive, specs, bucket_bytes, push_id)
         return await asyncio.to_thread(self.engine.update_weights, views, version, recompute_running)
 
+    async def receive_weights_by_handle(self, specs: list[TensorSpec], handles: list[BucketHandle],
+                                        version: int | None, recompute_running: bool = True) -> int:
+        """A co-located push: map the trainer's buckets, ``Engine.update_weights`` on views of them, unmap."""
+        def apply(views: list[tuple[str, torch.Tensor]]) -> int:
+            return self.engine.update_weights(views, version, recompute_running)
+
+        return await asyncio.to_thread(self.receiver.receive_handles, specs, handles, apply)
+
     def leave_weight_group(self) -> None:
         self.receiver.close()
 
@@ -146,6 +167,16 @@ class Replica:
         self._stop = True
         self._wake.set()
         self.receiver.close()
+
+
+def _node_id() -> str | None:
+    """Ray's id of this replica's node (the pool checks a co-located replica shares the trainer's)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except ImportError:
+        return None
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

@@ -1,4 +1,4 @@
-"""The trainer's end of the pool's weight group: rank 0 broadcasts, replicas 1..N receive and apply.
+"""The trainer's end of a pool push: rank 0 broadcasts to the replicas' group, co-located ones map handles.
 
 One implementation with the HTTP server's path: ``transfer_group.TransferGroup`` (a ``TCPStore`` and a
 directly constructed ``ProcessGroupGloo`` / ``ProcessGroupNCCL``), ``weight_transfer.send_weights``'s
@@ -7,6 +7,13 @@ flat double-buffered buckets, the receivers' metadata verdicts before any byte m
 
 The group spans the replicas that were active when it was made; a replica's death or replacement makes
 it stale, and the next push builds a new one.
+
+A replica co-located with the trainer (``RolloutPool(colocate_with_trainer=True)``) is no rank of the group
+(NCCL refuses two ranks on one GPU): the same push packs the tensors into ``weight_handles``' buckets on the
+trainer's device and sends it only their handles, concurrently with the broadcast to the others. The
+buckets stay alive until every co-located replica has answered, then they are freed (and their /dev/shm
+files unlinked on the CPU). Both kinds apply the push with ``Engine.update_weights`` and report the
+version; the pool dispatches nothing until all have.
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rollout.engine.transfer_group import PushRejected, TransferError, TransferGroup, await_verdicts
+from rollout.engine.weight_handles import export_weights
 from rollout.engine.weight_transfer import BUCKET_BYTES, TensorSpec, dtype_name, send_weights
 from rollout.pool import ray_setup
+from rollout.pool.colocate import check_source
 
 if TYPE_CHECKING:
     from rollout.pool.pool import RolloutPool
@@ -47,8 +56,10 @@ class PoolTransfer:
                 if m is not None and m.generation == gen:
                     m.actor.leave_weight_group.remote()
 
-    def _current(self) -> list[tuple[int, int]]:
-        return [(i, m.generation) for i, m in enumerate(self.pool.members) if m.state == "active"]
+    def _current(self, colocated: bool = False) -> list[tuple[int, int]]:
+        """(index, generation) of the active replicas that take weights by broadcast (or, by handle)."""
+        return [(i, m.generation) for i, m in enumerate(self.pool.members)
+                if m.state == "active" and m.colocated == colocated]
 
     def open(self, device: torch.device) -> TransferGroup:
         """Host a group of every active replica (ranks in replica order) and wait for all to join."""
@@ -83,18 +94,50 @@ class PoolTransfer:
 
     def push(self, pairs: list[tuple[str, torch.Tensor]], version: int | None, recompute_running: bool,
              bucket_bytes: int | None) -> int:
-        """Broadcast ``pairs`` (from ``pairs(...)``) to every active replica; the version they all reached."""
-        ray, pool = self.pool.ray, self.pool
+        """Send ``pairs`` (from ``pairs(...)``) to every active replica; the version they all reached."""
+        pool = self.pool
         bucket_bytes = bucket_bytes or BUCKET_BYTES
         specs = [TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in pairs]
         if not specs:
             raise ValueError("a weight push needs at least one tensor")
+        version = pool.policy_version + 1 if version is None else version
+        by_handle = self._current(colocated=True)
+        exported = None
+        if by_handle:
+            assert pool.place is not None
+            check_source(pairs, pool.place)  # before anything moves: a clear error, every replica untouched
+            exported = export_weights(specs, pairs, pool.place.device, bucket_bytes)
+        handle_refs: list[Any] = []
+        try:
+            handle_refs = [pool.members[i].actor.receive_weights_by_handle.remote(specs, exported.handles, version,
+                                                                                 recompute_running)
+                           for i, _ in by_handle]  # type: ignore[union-attr]
+            if self._current():
+                refs = self._broadcast(pairs, specs, version, recompute_running, bucket_bytes)
+            else:
+                refs = []
+                self.close()  # every active replica takes handles: no group
+            versions = self._gather(refs + handle_refs)
+        finally:
+            if exported is not None:  # the co-located replicas map these buckets until they answer
+                if handle_refs:
+                    pool.ray.wait(handle_refs, num_returns=len(handle_refs), timeout=self.timeout_s)
+                exported.release()
+        if len(set(versions)) != 1:
+            raise RuntimeError(f"replicas disagree on policy_version after a push: {versions}")
+        self.last_push = {"tensors": len(specs), "bytes": sum(s.nbytes for s in specs), "replicas": len(versions),
+                          "by_broadcast": len(versions) - len(handle_refs), "by_handle": len(handle_refs)}
+        return versions[0]
+
+    def _broadcast(self, pairs: list[tuple[str, torch.Tensor]], specs: list[TensorSpec], version: int,
+                   recompute_running: bool, bucket_bytes: int) -> list[Any]:
+        """Rank 0's half of a push to the group; the receivers' refs (their answers are gathered later)."""
+        ray, pool = self.pool.ray, self.pool
         device = next((t.device for _, t in pairs if t.device.type == "cuda"), torch.device("cpu"))
         if self.group is None or self.members != self._current() or self.group.device.type != device.type:
             self.open(device)
         group = self.group
         assert group is not None
-        version = pool.policy_version + 1 if version is None else version
         push_id, self.push_id = self.push_id, self.push_id + 1
         refs = [pool.members[i].actor.receive_weights.remote(specs, push_id, version, bucket_bytes, recompute_running)
                 for i, _ in self.members]
@@ -114,11 +157,13 @@ class PoolTransfer:
             ray.wait(refs, num_returns=len(refs), timeout=30)
             self._raise_first(refs)  # a replica's death (RayActorError) says why the transport broke
             raise
-        versions = ray.get(refs)
-        if len(set(versions)) != 1:
-            raise RuntimeError(f"replicas disagree on policy_version after a push: {versions}")
-        self.last_push = {"tensors": len(specs), "bytes": sum(s.nbytes for s in specs), "replicas": len(refs)}
-        return versions[0]
+        return refs
+
+    def _gather(self, refs: list[Any]) -> list[int]:
+        """Every replica's new version; a replica's own refusal (or death) is raised as itself."""
+        self.pool.ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        self._raise_first(refs)
+        return self.pool.ray.get(refs, timeout=self.timeout_s)
 
     def _raise_first(self, refs: list[Any]) -> None:
         """Re-raise a replica's own refusal (ValueError naming the tensor) when it has one."""
