@@ -79,6 +79,9 @@ def install(app: FastAPI) -> None:
         return error_response(e.status_code, message)
 
 
+DRAIN_FACTOR = 16  # an over-limit body is read (and dropped) up to this many times the limit before the 413
+
+
 class BodyLimit:
     """ASGI middleware: 413 for a body over ``max_bytes`` (by Content-Length, or counted while streaming)."""
 
@@ -109,4 +112,15 @@ class BodyLimit:
         return f"request body exceeds {self.max_bytes} bytes (server.max_body_mib)"
 
     async def _reject(self, scope: dict, receive: Any, send: Any) -> None:
+        """Read the body (discarding it) before answering: a client still sending when the server answers
+        and closes gets a broken pipe instead of the 413. Past ``DRAIN_FACTOR`` times the limit the
+        connection is simply dropped."""
+        drained, cap = 0, DRAIN_FACTOR * self.max_bytes
+        while drained <= cap:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            drained += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
         await error_response(413, self._message())(scope, receive, send)
