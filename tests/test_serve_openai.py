@@ -183,6 +183,24 @@ def test_bad_requests_get_clear_4xx_and_the_server_keeps_serving(env, path, body
     assert len(ok.choices[0].text) >= 0 and env.server.alive()
 
 
+def test_a_chunked_body_over_the_limit_gets_413(env):
+    """No Content-Length: the limit is counted as the body streams in; the rest is read before the answer."""
+    import http.client
+    import urllib.parse
+
+    url = urllib.parse.urlsplit(env.server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    chunks = (b"x" * (1 << 16) for _ in range(128))  # 8 MiB, far past the socket buffers
+    try:
+        conn.request("POST", "/v1/completions", body=chunks, encode_chunked=True,
+                     headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"})
+        r = conn.getresponse()
+        assert r.status == 413 and "exceeds" in json.loads(r.read())["error"]["message"]
+    finally:
+        conn.close()
+    assert env.client.completions.create(model=env.model, prompt=[1, 2, 3], max_tokens=2).choices
+
+
 def test_openai_client_raises_its_own_errors(env):
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         env.client.completions.create(model=env.model, prompt=[5] * 600, max_tokens=2)

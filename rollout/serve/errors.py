@@ -103,7 +103,11 @@ class BodyLimit:
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
-                raise APIError(413, self._message())
+                if message.get("more_body", False):
+                    await self._drain(receive, seen)
+                # Starlette's type: FastAPI passes it through (anything else raised while it reads the body
+                # becomes its own 400 "error parsing the body"); the handler in ``install`` shapes it.
+                raise StarletteHTTPException(413, self._message())
             return message
 
         await self.app(scope, counted, send)
@@ -112,15 +116,19 @@ class BodyLimit:
         return f"request body exceeds {self.max_bytes} bytes (server.max_body_mib)"
 
     async def _reject(self, scope: dict, receive: Any, send: Any) -> None:
-        """Read the body (discarding it) before answering: a client still sending when the server answers
-        and closes gets a broken pipe instead of the 413. Past ``DRAIN_FACTOR`` times the limit the
-        connection is simply dropped."""
-        drained, cap = 0, DRAIN_FACTOR * self.max_bytes
+        if await self._drain(receive, 0):
+            await error_response(413, self._message())(scope, receive, send)
+
+    async def _drain(self, receive: Any, drained: int) -> bool:
+        """Read the rest of the body, discarding it, before the 413: a client still sending when the server
+        answers and closes gets a broken pipe instead of the answer. Past ``DRAIN_FACTOR`` times the limit
+        the server stops reading and answers at once. False when the client went away."""
+        cap = DRAIN_FACTOR * self.max_bytes
         while drained <= cap:
             message = await receive()
             if message["type"] != "http.request":
-                return  # the client went away
+                return False
             drained += len(message.get("body", b""))
             if not message.get("more_body", False):
                 break
-        await error_response(413, self._message())(scope, receive, send)
+        return True
