@@ -65,6 +65,8 @@ class PoolTransfer:
         """Host a group of every active replica (ranks in replica order) and wait for all to join."""
         self.close()
         ray, pool = self.pool.ray, self.pool
+        if pool._reap_dead():  # a join cannot be called off: replace a replica that died since, before any joins
+            pool.wait_ready()
         members = self._current()
         world = len(members) + 1
         address = ray_setup.driver_address(pool.address)
