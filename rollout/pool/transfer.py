@@ -65,8 +65,6 @@ class PoolTransfer:
         """Host a group of every active replica (ranks in replica order) and wait for all to join."""
         self.close()
         ray, pool = self.pool.ray, self.pool
-        if pool._reap_dead():  # a join cannot be called off: replace a replica that died since, before any joins
-            pool.wait_ready()
         members = self._current()
         world = len(members) + 1
         address = ray_setup.driver_address(pool.address)
@@ -103,6 +101,8 @@ class PoolTransfer:
         if not specs:
             raise ValueError("a weight push needs at least one tensor")
         version = pool.policy_version + 1 if version is None else version
+        if self._current() and (self.group is None or self.members != self._current()) and pool._reap_dead():
+            pool.wait_ready()  # a group opens below and a survivor's join cannot be called off: replace the dead first
         by_handle = self._current(colocated=True)
         exported = None
         if by_handle:
