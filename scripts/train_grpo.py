@@ -7,6 +7,7 @@
     rollout-train-grpo train.trainer=async_grpo               # TRL's AsyncGRPOTrainer, engine in-process
     rollout-train-grpo train.sleep_level=1                    # co-located: the engine frees its KV cache
                                                               # while the trainer trains
+    rollout-train-grpo pool.replicas=2 pool.colocate_with_trainer=true train.sleep_level=1  # replica 0 does
     rollout-train-grpo rollout.mode=server rollout.url=http://127.0.0.1:8000  # against scripts/serve.py
     rollout-train-grpo rollout.mode=partial rollout.max_staleness=2           # partial rollouts: no step waits
                                                               # for its batch's longest group

@@ -2,8 +2,9 @@
 
 Ray's start and each actor's imports take tens of seconds on a small box, so one pool serves every
 test, in order: parity with one engine, a gloo weight broadcast, then a replica killed mid-round
-(its replacement must catch up to the broadcast weights before taking work). The session has room for a
-second pool of 2, which scripts/train_ppo.py pool.replicas=2 builds for itself (last test).
+(its replacement must catch up to the broadcast weights before taking work), then sleep / wake_up (pushes
+while asleep, a replica killed while asleep). The session has room for a second pool of 2, which
+scripts/train_ppo.py pool.replicas=2 builds for itself (last test).
 """
 
 from __future__ import annotations
@@ -217,9 +218,87 @@ def test_a_replica_found_dead_at_a_push_is_replaced_and_the_push_lands_everywher
     assert_matches_hf(trainer, prompt, out.outputs[0], temperature=0.0, atol=1e-4)
 
 
+# ---- sleep / wake_up: a co-located trainer's memory --------------------------------------------------
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def _sleep_state(pool) -> list[tuple[bool, int]]:
+    """(the engine says it sleeps, the level the pool holds it at), per replica."""
+    return [(r["sleeping"], r["sleep_level"]) for r in pool.stats()["replicas"]]
+
+
+def _each_matches(pool, trainer, version: int, tag: str) -> None:
+    """Each replica, asked directly, serves ``trainer``'s weights (logprobs within 1e-4) at ``version``."""
+    prompt = [3, 1, 4, 1, 5]
+    for i, m in enumerate(pool.members):
+        out = pool.ray.get(m.actor.run.remote(f"{tag}-{i}", prompt, GREEDY)).outputs[0]
+        assert_matches_hf(trainer, prompt, out, temperature=0.0, atol=1e-4)
+        assert set(out.policy_versions) == {version}
+
+
+def test_sleep_wake_round_trip_and_no_work_while_asleep(pool) -> None:
+    pool.update_weights(make_tiny_hf_model("llama", seed=20).named_parameters())
+    assert all(r["weight_staging_bytes"] > 0 for r in pool.stats()["replicas"])  # kept between broadcasts
+    prompts = random_prompts(6, 256, hi=12, seed=21)
+    params = _params(len(prompts))
+    before = pool.generate(prompts, params)
+    assert pool.sleep(level=1) > 0 and pool.is_sleeping and pool.sleeping_replicas == [0, 1]
+    stats = pool.stats()
+    assert stats["pool"]["sleeping"] == [0, 1] and all(r["weight_staging_bytes"] == 0 for r in stats["replicas"])
+    assert _sleep_state(pool) == [(True, 1)] * 2
+    assert pool.sleep(level=2) == 0 and _sleep_state(pool) == [(True, 1)] * 2  # asleep already, as Engine.sleep
+    with pytest.raises(RuntimeError, match=r"replicas \[0, 1\] are asleep .*call wake_up\(\) before generate"):
+        pool.generate(prompts, params)
+    with pytest.raises(RuntimeError, match="replica 1 is asleep"):  # a replica refuses work itself, and lives
+        pool.ray.get(pool.members[1].actor.run.remote("asleep", prompts[0], params[0]))
+    pool.wake_up(replicas=[1])
+    assert pool.sleeping_replicas == [0] and _sleep_state(pool) == [(True, 1), (False, 0)]
+    with pytest.raises(RuntimeError, match=r"replicas \[0\] are asleep"):  # no round on part of the pool
+        pool.generate(prompts, params)
+    pool.wake_up()
+    assert not pool.is_sleeping and _sleep_state(pool) == [(False, 0)] * 2
+    after = pool.generate(prompts, params)
+    assert _tokens(after) == _tokens(before)
+    for a, b in zip(after, before):
+        for x, y in zip(sorted(a.outputs, key=lambda c: c.index), sorted(b.outputs, key=lambda c: c.index)):
+            assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5)
+    assert all(v > 0 for v in pool.last_round["groups_per_replica"].values())  # both woken replicas worked
+    with pytest.raises(ValueError, match="sleep level must be 1 or 2, got 3"):
+        pool.sleep(level=3)
+    with pytest.raises(ValueError, match=r"replica indices in 0\.\.1"):
+        pool.sleep(replicas=[2])
+    assert not pool.is_sleeping
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_push_while_asleep_is_served_after_wake(pool, level) -> None:
+    pool.sleep(level=level)
+    trainer = make_tiny_hf_model("llama", seed=20 + level)
+    version = pool.update_weights(trainer.named_parameters())
+    stats = pool.stats()["replicas"]
+    assert [r["policy_version"] for r in stats] == [version] * 2 and _sleep_state(pool) == [(True, level)] * 2
+    assert all(r["weight_staging_bytes"] == 0 for r in stats)  # the broadcast's staging buffer went again
+    pool.wake_up()
+    _each_matches(pool, trainer, version, f"woken-{level}")
+
+
+def test_replica_killed_while_asleep_comes_back_asleep_with_current_weights(pool) -> None:
+    pool.sleep(level=2)
+    victim = pool.members[0].actor
+    pool.ray.kill(victim, no_restart=True)
+    trainer = make_tiny_hf_model("llama", seed=30)
+    version = pool.update_weights(trainer.named_parameters())  # finds it dead: replaced, caught up, asleep, pushed
+    assert pool.failures[-1]["replica"] == 0 and pool.members[0].actor != victim
+    assert _sleep_state(pool) == [(True, 2)] * 2
+    assert [r["policy_version"] for r in pool.stats()["replicas"]] == [version] * 2
+    pool.wake_up()
+    _each_matches(pool, trainer, version, "reborn")
+
+
 def test_train_ppo_script_over_a_pool(pool, tmp_path) -> None:
-    """scripts/train_ppo.py pool.replicas=2 (its own 2 replicas, in this file's Ray session): after every push
-    each replica is at the trainer's version and samples with the policy's logprobs; per-replica metrics."""
+    """scripts/train_ppo.py pool.replicas=2 (its own 2 replicas, in this file's Ray session), replica 0 co-located
+    (weights by shared memory) and asleep through each update (train.sleep_level=1): after every push each
+    replica is at the trainer's version and samples with the policy's logprobs; per-replica metrics."""
     import json
     import math
 
@@ -230,7 +309,10 @@ def test_train_ppo_script_over_a_pool(pool, tmp_path) -> None:
 
     def after_push(ppo) -> None:
         p, prompt = ppo.engine, [1, 4, 40, 41, 42]
-        versions = [r["policy_version"] for r in p.stats()["replicas"]]
+        stats = p.stats()["replicas"]
+        versions = [r["policy_version"] for r in stats]
+        asleep = [r["index"] for r in stats if r["sleeping"]]  # the co-located replica only, pushed while asleep
+        p.wake_up()
         gaps = []
         for i, m in enumerate(p.members):  # each replica directly, not whichever the pool picks
             c = p.ray.get(m.actor.run.remote(f"ppo-{ppo.version}-{i}", prompt, SamplingParams(max_tokens=4, seed=i)))
@@ -238,16 +320,20 @@ def test_train_ppo_script_over_a_pool(pool, tmp_path) -> None:
             with torch.no_grad():
                 want = token_logprobs(ppo.policy, Sequences.build([prompt], [list(c.token_ids)], ppo.pad_id), 1.0)
             gaps.append((want[0, : len(c.token_ids)] - torch.tensor(c.logprobs)).abs().max().item())
-        checks.append((ppo.version, versions, gaps))
+        if asleep:
+            p.sleep(1)  # as the update left it: the pool's sleep_replicas, [0]
+        checks.append((ppo.version, versions, gaps, asleep))
         pools.append(p)
 
     out = load_script("train_ppo").run(compose(
         "train_ppo", f"output_dir={tmp_path}", f"model.cache_dir={tmp_path / 'cache'}", "pool.replicas=2",
-        "pool.gpus_per_replica=0", "train.steps=2", "sampling.n=2", "sampling.max_tokens=4", "data.num_prompts=2",
-        "train.ppo.ppo_epochs=1", "train.ppo.num_minibatches=2", "logger.wandb.mode=disabled",
+        "pool.gpus_per_replica=0", "pool.colocate_with_trainer=true", "train.sleep_level=1", "train.steps=2",
+        "sampling.n=2", "sampling.max_tokens=4", "data.num_prompts=2", "train.ppo.ppo_epochs=1",
+        "train.ppo.num_minibatches=2", "logger.wandb.mode=disabled",
     ), on_push=after_push)
-    assert [v for v, _, _ in checks] == list(range(5))  # the first sync, then one push per optimizer step
-    assert all(versions == [v, v] and max(gaps) <= 1e-4 for v, versions, gaps in checks), checks
+    assert [v for v, *_ in checks] == list(range(5))  # the first sync, then one push per optimizer step
+    assert all(versions == [v, v] and max(gaps) <= 1e-4 for v, versions, gaps, _ in checks), checks
+    assert [asleep for *_, asleep in checks] == [[]] + [[0]] * 4, checks  # awake at the first sync only
     assert pools[0] is not pool and pools[0].members == []  # the script's own pool, shut down at the end
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2]

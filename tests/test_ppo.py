@@ -127,16 +127,13 @@ def test_train_ppo_refuses_bad_config(tmp_path, override, message):
         script.run(compose("train_ppo", f"output_dir={tmp_path}", override))
 
 
-def test_ppo_over_a_pool_refuses_sleep(tmp_path):
-    """A pool's replicas keep their memory: train.sleep_level is refused, by the script and by EnginePPO."""
+def test_ppo_refuses_sleep_on_an_engine_that_cannot():
+    """sleep_level needs sleep / wake_up / is_sleeping (an Engine, a RolloutPool): refused up front otherwise."""
     from types import SimpleNamespace
 
     from trainer_hooks.ppo_loop import EnginePPO
 
-    with pytest.raises(ValueError, match="train.sleep_level must be 0 with pool.replicas > 1"):
-        load_script("train_ppo").run(compose("train_ppo", f"output_dir={tmp_path}", "pool.replicas=2",
-                                             "train.sleep_level=1"))
-    pool = SimpleNamespace(update_weights=None, policy_version=0)  # no sleep(), as a RolloutPool
-    with pytest.raises(ValueError, match="sleep_level=1 needs an in-process engine"):
-        EnginePPO(pool, torch.nn.Linear(1, 1), None, torch.nn.Linear(1, 1), None, None, PPOConfig(),
+    other = SimpleNamespace(update_weights=None, policy_version=0)  # an engine-like object without sleep()
+    with pytest.raises(ValueError, match="sleep_level=1 needs an Engine or a RolloutPool"):
+        EnginePPO(other, torch.nn.Linear(1, 1), None, torch.nn.Linear(1, 1), None, None, PPOConfig(),
                   SamplingParams(temperature=1.0), sleep_level=1)

@@ -124,13 +124,14 @@ def test_train_script_refuses_bad_config(tmp_path, override, message):
 
 
 def test_grpo_generates_with_a_pool_of_two_replicas(tmp_path):
-    """pool.replicas=2 puts TRLRollout over a RolloutPool of two CPU Ray actors (about 30 s: Ray's start)."""
+    """pool.replicas=2 puts TRLRollout over a RolloutPool of two CPU Ray actors (about 30 s: Ray's start), both
+    asleep while the trainer trains (train.sleep_level=1 without co-location: every replica sleeps)."""
     ray = pytest.importorskip("ray", reason="the pool needs Ray")
     try:
         out = load_script("train_grpo").run(compose(
             "train_grpo", f"output_dir={tmp_path}", f"model.cache_dir={tmp_path / 'cache'}",
             "logger.wandb.mode=disabled", "pool.replicas=2", "pool.gpus_per_replica=0", "train.steps=1",
-            "sampling.n=2", "sampling.max_tokens=4", "data.num_prompts=2",
+            "sampling.n=2", "sampling.max_tokens=4", "data.num_prompts=2", "train.sleep_level=1",
         ))
     finally:
         ray.shutdown()
@@ -140,7 +141,6 @@ def test_grpo_generates_with_a_pool_of_two_replicas(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, err", [
-    (("train.sleep_level=1",), "train.sleep_level must be 0 with pool.replicas > 1"),
     (("train.trainer=async_grpo",), "needs rollout.mode=engine and train.trainer=grpo"),
     (("rollout.mode=server",), "needs rollout.mode=engine and train.trainer=grpo"),
     (("rollout.mode=partial",), "needs rollout.mode=engine and train.trainer=grpo"),

@@ -54,8 +54,8 @@ class EnginePPO:
     """PPO with an engine generating for ``policy``; ``value_model`` and the frozen ``ref_model`` live beside it.
 
     ``reward_fn`` has TRL's signature. ``sleep_level`` 1/2 frees the engine's KV cache (and weights) while
-    training. ``on_push(self)`` runs after every push (checks, tests). ``seconds`` keeps running totals of
-    generation and weight-push time.
+    training (a ``RolloutPool``: its ``sleep()`` replicas' memory). ``on_push(self)`` runs after every push
+    (checks, tests). ``seconds`` keeps running totals of generation and weight-push time.
     """
 
     def __init__(self, engine_or_actor: Any, policy: nn.Module, value_model: ValueModel, ref_model: nn.Module,
@@ -67,9 +67,9 @@ class EnginePPO:
         self.policy, self.value_model, self.ref = policy, value_model, ref_model.eval().requires_grad_(False)
         self.tokenizer, self.reward_fn, self.cfg = tokenizer, reward_fn, config
         self.sampling = dataclasses.replace(sampling, logprobs_mode="policy")
-        if sleep_level and not hasattr(self.engine, "sleep"):
-            raise ValueError(f"sleep_level={sleep_level} needs an in-process engine; a {type(self.engine).__name__}"
-                             " keeps its own memory (use 0)")
+        if sleep_level and not all(hasattr(self.engine, k) for k in ("sleep", "wake_up", "is_sleeping")):
+            raise ValueError(f"sleep_level={sleep_level} needs an Engine or a RolloutPool (sleep / wake_up / "
+                             f"is_sleeping); a {type(self.engine).__name__} keeps its own memory (use 0)")
         self.sleep_level, self.bf16, self.on_push = sleep_level, bf16, on_push
         self.device = next(policy.parameters()).device
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

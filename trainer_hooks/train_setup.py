@@ -63,10 +63,7 @@ def load_job(raw: Mapping[str, Any], train_cls: type) -> tuple[JobConfig, Any]:
     if job.sampling.logprobs_mode != "policy":
         raise ValueError(f"sampling.logprobs_mode={job.sampling.logprobs_mode!r} is invalid for training: "
                          "must be 'policy' (the logprob the trainer recomputes)")
-    train_cfg = train_cls(**train)
-    if job.pool.replicas > 1 and train_cfg.sleep_level:
-        raise ValueError("train.sleep_level must be 0 with pool.replicas > 1 (the replicas hold their own memory)")
-    return job, train_cfg
+    return job, train_cls(**train)
 
 
 # ---- model, tokenizer, data, engine ---------------------------------------------------------------------
@@ -102,6 +99,12 @@ def make_engine(job: JobConfig, checkpoint: Path, tokenizer: Any, torch_threads:
 
 
 def make_pool(job: JobConfig, checkpoint: Path, torch_threads: int | None = None) -> Any:
+    """A ``RolloutPool`` whose ``sleep()`` (``train.sleep_level``) sleeps the replicas that share the trainer's
+    memory. With ``pool.colocate_with_trainer`` that is replica 0 alone: the others sit on GPUs the trainer
+    does not use, so sleeping them frees nothing it could take, costs a KV-cache (and CUDA-graph) rebuild
+    per step, and at level 2 turns their pushes into copies into host memory. Without co-location every
+    replica sleeps, as one engine does: the replicas then share the host (CPU replicas, or GPUs shared by
+    placement), and sleeping one that shares nothing with the trainer is harmless."""
     import torch
 
     from rollout.pool import EngineFactory
@@ -112,7 +115,8 @@ def make_pool(job: JobConfig, checkpoint: Path, torch_threads: int | None = None
     device = torch.device(job.model.device or ("cuda" if torch.cuda.is_available() else "cpu"))  # the trainer's
     pool = RolloutPool(job.pool.replicas, factory, address=job.pool.address,
                        gpus_per_replica=job.pool.gpus_per_replica, torch_threads=torch_threads,
-                       colocate_with_trainer=job.pool.colocate_with_trainer, trainer_device=device)
+                       colocate_with_trainer=job.pool.colocate_with_trainer, trainer_device=device,
+                       sleep_replicas=[0] if job.pool.colocate_with_trainer else None)
     pool.device = device
     return pool
 

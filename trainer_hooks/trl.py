@@ -49,7 +49,8 @@ class TRLRollout:
     trainer's ``_log_metric`` (the sink GRPOTrainer hands reward functions as ``log_metric``), so they land
     in the trainer's own W&B run; the engine's resolved config joins that run's config on the first call.
     ``sleep_level`` 1 or 2 co-locates the engine with the trainer: its KV cache (level 2: also its weights)
-    is released after every generation and restored before the next. ``run_config`` is added to the W&B
+    is released after every generation and restored before the next (a ``RolloutPool``: its ``sleep()``
+    replicas, the co-located one in the scripts; pushes reach the sleeping ones). ``run_config`` is added to the W&B
     run's config next to the engine's.
 
     ``mode="partial"``: a training call for P prompts returns P rows of complete groups, the oldest finished

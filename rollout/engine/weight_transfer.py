@@ -273,6 +273,18 @@ class WeightReceiver:
                 views.clear()
                 buffers.clear()
 
+    def release_staging(self) -> int:
+        """Drop the staging buffer kept between pushes (a model's worth of bytes: the engine sleeps); the
+        next push allocates it again. Returns the bytes dropped."""
+        with self._exclusive():
+            staging, self._staging = self._staging, None
+            return 0 if staging is None else staging.numel() * staging.element_size()
+
+    @property
+    def staging_bytes(self) -> int:
+        staging = self._staging
+        return 0 if staging is None else staging.numel() * staging.element_size()
+
     def _check(self, specs: list[TensorSpec], bucket_bytes: int) -> str | None:
         try:
             chunk_bounds(1, bucket_bytes)

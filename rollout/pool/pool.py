@@ -19,6 +19,10 @@ flat buckets and each replica applies them with ``Engine.update_weights``, the s
 group is dispatched while a push is in flight, so every replica is at the same ``policy_version``
 before any takes new work. With ``colocate_with_trainer`` replica 0 runs on the trainer's own device
 (``colocate``) and takes the same push by handle (CUDA IPC / shared memory) instead of by broadcast.
+
+Memory: ``sleep(level, replicas)`` / ``wake_up(replicas)`` / ``is_sleeping`` are ``Engine``'s, per replica
+(``pool.sleep``: a sleeping replica takes no work, a push reaches it, one that dies comes back asleep).
+``sleep()`` without ``replicas`` sleeps ``sleep_replicas`` (default: all); ``wake_up()`` wakes every one.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from rollout.engine.stats import EngineStats
 from rollout.engine.validation import normalize_params, normalize_prompts
 from rollout.outputs import RequestOutput
 from rollout.pool import colocate, ray_setup
+from rollout.pool import sleep as pool_sleep
 from rollout.pool import transfer as pool_transfer
 from rollout.pool.colocate import TrainerPlace
 from rollout.pool.dispatch import Dispatcher, Slot
@@ -48,11 +53,12 @@ class _Member:
 
     actor: Any = None
     generation: int = 0
-    state: str = "starting"  # starting -> catching_up -> active; dead while its replacement is created
+    state: str = "starting"  # starting -> catching_up -> [falling_asleep ->] active
     pending: Any = None  # ObjectRef of ready() or load_state() while starting / catching up
     capacity: int = 0
     colocated: bool = False  # on the trainer's device: weights by handle, not by broadcast
     info: dict[str, Any] | None = None  # the actor's ready() answer (device, GPU uuid, node, pid)
+    sleep_level: int = 0  # 0 awake; 1 or 2 as sleep() asked: a replacement is brought to it too
 
 
 class RolloutPool:
@@ -60,7 +66,7 @@ class RolloutPool:
                  gpus_per_replica: float = 0, cpus_per_replica: float = 1, max_inflight_seqs: int | None = None,
                  seed: int = 0, transfer_timeout_s: float = 600.0, start_timeout_s: float = 600.0,
                  torch_threads: int | None = None, colocate_with_trainer: bool = False,
-                 trainer_device: Any = None) -> None:
+                 trainer_device: Any = None, sleep_replicas: list[int] | None = None) -> None:
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
         if not callable(engine_factory):
@@ -69,6 +75,10 @@ class RolloutPool:
             raise ValueError(f"max_inflight_seqs must be an int >= 1 or None, got {max_inflight_seqs!r}")
         if not isinstance(colocate_with_trainer, bool):
             raise TypeError(f"colocate_with_trainer must be a bool, got {colocate_with_trainer!r}")
+        # Which replicas sleep() puts to sleep when not told: the training scripts pass the co-located one
+        # only (trainer_hooks.train_setup.make_pool says why); None = all, as one Engine sleeps whole.
+        self.sleep_replicas = None if sleep_replicas is None else pool_sleep.check_indices(
+            sleep_replicas, replicas, "sleep_replicas")
         self.ray = ray_setup.init(address, num_cpus=replicas * cpus_per_replica + 1)
         self.address = address
         self.engine_factory, self.torch_threads = engine_factory, torch_threads
@@ -84,6 +94,7 @@ class RolloutPool:
         self._rng = random.Random(seed)
         self._lock = threading.RLock()  # dispatch vs weight pushes
         self._round = 0
+        self._rounds_open = 0  # generate_iter calls not yet finished: sleep() waits for none
         self.policy_version = 0
         self.last_round: dict[str, Any] = {}
         self.failures: list[dict[str, Any]] = []  # every replica death seen, all rounds
@@ -147,11 +158,17 @@ class RolloutPool:
                     self._catch_up(i, m, answer["policy_version"])
                 elif m.state == "catching_up":
                     self._catch_up(i, m, answer)
+                elif m.state == "falling_asleep":
+                    m.state = "active"
 
     def _catch_up(self, index: int, m: _Member, version: int) -> None:
-        """Active if at the pool's version; else copy a survivor's state (again, if a push raced it)."""
+        """Active if at the pool's version (after sleeping first, in a sleeping slot); else copy a survivor's
+        state (again, if a push raced it)."""
         if version == self.policy_version:
-            m.state = "active"
+            if m.sleep_level:
+                m.state, m.pending = "falling_asleep", m.actor.sleep.remote(m.sleep_level)
+            else:
+                m.state = "active"
             return
         donors = [d for d in self.members if d.state == "active"]
         if not donors:
@@ -187,9 +204,16 @@ class RolloutPool:
         if not prompts:
             return
         params = [self._seeded(p) for p in normalize_params(sampling_params, len(prompts))]
+        asleep = self.sleeping_replicas
+        if asleep:
+            raise RuntimeError(f"replicas {asleep} are asleep (sleep() was called); call wake_up() before generate()")
         self._validate(prompts, params)
         self._round += 1
-        yield from self._run_round(list(prompts), params)
+        self._rounds_open += 1
+        try:
+            yield from self._run_round(list(prompts), params)
+        finally:
+            self._rounds_open -= 1
 
     def _seeded(self, p: SamplingParams) -> SamplingParams:
         return p if p.seed is not None else replace(p, seed=self._rng.getrandbits(63))
@@ -224,7 +248,7 @@ class RolloutPool:
     def _run_round(self, prompts: list[Any], params: list[SamplingParams]) -> Iterator[tuple[int, RequestOutput]]:
         ray = self.ray
         t0 = time.perf_counter()
-        slots = {i: Slot(m.capacity, active=m.state == "active") for i, m in enumerate(self.members)}
+        slots = {i: Slot(m.capacity, active=self._takes_work(m)) for i, m in enumerate(self.members)}
         longest_first = sorted(range(len(params)), key=lambda g: -params[g].max_tokens)  # stable: ties in order
         disp = Dispatcher([p.n for p in params], slots, longest_first)
         inflight: dict[Any, tuple[int, int, int]] = {}  # ref -> (group, replica, actor generation)
@@ -235,7 +259,7 @@ class RolloutPool:
             self._advance_members()
             with self._lock:
                 for i, m in enumerate(self.members):
-                    slots[i].active = m.state == "active"
+                    slots[i].active = self._takes_work(m)
                 while (a := disp.next_assignment()) is not None:
                     g, i = a
                     m = self.members[i]
@@ -267,6 +291,10 @@ class RolloutPool:
             "failures": self.failures[failed0:],
             "resubmitted_groups": sorted(g for f in self.failures[failed0:] for g in f["resubmitted"]),
         }
+
+    @staticmethod
+    def _takes_work(m: _Member) -> bool:
+        return m.state == "active" and not m.sleep_level
 
     def _on_death(self, index: int, generation: int, disp: Dispatcher, inflight: dict[Any, tuple[int, int, int]]
                   ) -> None:
@@ -300,6 +328,28 @@ class RolloutPool:
             self.policy_version = new
             return new
 
+    # ---- memory ----------------------------------------------------------------------------------
+    def sleep(self, level: int = 1, replicas: list[int] | None = None) -> int:
+        """``Engine.sleep`` on ``replicas`` (default ``sleep_replicas``: all unless the pool was told);
+        the bytes released. Refused while a round runs; returns once each of them is asleep."""
+        indices = pool_sleep.check_indices(replicas if replicas is not None else
+                                           self.sleep_replicas or range(len(self.members)), len(self.members))
+        return pool_sleep.put_to_sleep(self, level, indices)
+
+    def wake_up(self, replicas: list[int] | None = None) -> None:
+        """``Engine.wake_up`` on ``replicas`` (default: every sleeping one); returns once they are awake."""
+        n = len(self.members)
+        pool_sleep.wake(self, pool_sleep.check_indices(range(n) if replicas is None else replicas, n))
+
+    @property
+    def is_sleeping(self) -> bool:
+        """True while any replica sleeps (``generate`` then refuses, as a sleeping ``Engine``'s does)."""
+        return bool(self.sleeping_replicas)
+
+    @property
+    def sleeping_replicas(self) -> list[int]:
+        return [i for i, m in enumerate(self.members) if m.sleep_level]
+
     # ---- metrics ---------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Per-replica engine stats plus tokens/s and KV usage, and the pool's totals and last round."""
@@ -307,7 +357,7 @@ class RolloutPool:
         replicas = []
         for i, ref in refs:
             try:
-                replicas.append(self.ray.get(ref, timeout=60))
+                replicas.append({**self.ray.get(ref, timeout=60), "sleep_level": self.members[i].sleep_level})
             except self.ray.exceptions.RayActorError:
                 replicas.append({"index": i, "alive": False})
         live = [r for r in replicas if r.get("alive", True)]
@@ -317,7 +367,7 @@ class RolloutPool:
             "tokens_per_s": self.last_round.get("tokens_per_s", 0.0),
             "sum_replica_tokens_per_s": sum(r["tokens_per_s"] for r in live),
             "kv_cache_usage": sum(r["kv_cache_usage"] for r in live) / len(live) if live else 0.0,
-            "failures": len(self.failures),
+            "failures": len(self.failures), "sleeping": self.sleeping_replicas,
         }
         return {"pool": pooled, "replicas": replicas, "last_round": self.last_round}
 

@@ -12,6 +12,10 @@ from a survivor's state (``export_state`` / ``load_state``) before it takes any 
 A replica co-located with the trainer (``device_uuid``: the trainer's GPU) takes pushes by handle instead
 (``receive_weights_by_handle``), through the same receiver and ``Engine.update_weights``.
 
+``sleep`` / ``wake_up`` are ``Engine``'s, plus the receiver's staging buffer (a model's worth of bytes kept
+between broadcasts): it goes while the replica sleeps, and a push that arrives then frees it again after
+applying. A sleeping replica refuses ``run`` (its engine could not step, and the loop would die of it).
+
 Nothing here imports Ray at module level (``ready`` asks it for the node id when present): ``pool.py``
 wraps ``Replica`` with ``ray.remote``, so the class is testable in process and imports without Ray.
 """
@@ -70,6 +74,8 @@ class Replica:
         s["busy_s"] = self._busy_s
         s["tokens_per_s"] = s["num_generated_tokens"] / self._busy_s if self._busy_s > 0 else 0.0
         s["index"] = self.index
+        s["sleeping"] = self.engine.is_sleeping
+        s["weight_staging_bytes"] = self.receiver.staging_bytes
         return s
 
     # ---- generation ------------------------------------------------------------------------------
@@ -91,7 +97,11 @@ class Replica:
         fut = loop.create_future()
         self._futures[request_id] = (loop, fut)
         try:
-            self.engine.add_request(prompt, params, request_id=request_id)
+            with self.engine._lock:  # no sleep() between the check and the add
+                if self.engine.is_sleeping:
+                    raise RuntimeError(f"replica {self.index} is asleep (sleep() was called); call wake_up() "
+                                       "before giving it work")
+                self.engine.add_request(prompt, params, request_id=request_id)
         except BaseException:
             self._futures.pop(request_id, None)
             raise
@@ -131,8 +141,15 @@ class Replica:
     async def receive_weights(self, specs: list[TensorSpec], push_id: int, version: int | None,
                               bucket_bytes: int = BUCKET_BYTES, recompute_running: bool = True) -> int:
         """One push: verdict, broadcast into staging, then ``Engine.update_weights``; the new version."""
+        def apply(views: list[tuple[str, torch.Tensor]]) -> int:
+            new = self.engine.update_weights(views, version, recompute_running)
+            views.clear()
+            if self.engine.is_sleeping:  # pushed while asleep: the staging buffer goes again
+                self._release_staging()
+            return new
+
         views = await asyncio.to_thread(self.receiver.receive, specs, bucket_bytes, push_id)
-        return await asyncio.to_thread(self.engine.update_weights, views, version, recompute_running)
+        return await asyncio.to_thread(apply, views)
 
     async def receive_weights_by_handle(self, specs: list[TensorSpec], handles: list[BucketHandle],
                                         version: int | None, recompute_running: bool = True) -> int:
@@ -141,6 +158,24 @@ class Replica:
             return self.engine.update_weights(views, version, recompute_running)
 
         return await asyncio.to_thread(self.receiver.receive_handles, specs, handles, apply)
+
+    # ---- memory ----------------------------------------------------------------------------------
+    async def sleep(self, level: int = 1) -> int:
+        """``Engine.sleep(level)``, then the staging buffer; the bytes released on the engine's device."""
+        def go() -> int:
+            released = self.engine.sleep(level)  # refuses while requests run: the staging buffer stays then
+            return released + self._release_staging()
+
+        return await asyncio.to_thread(go)
+
+    async def wake_up(self) -> None:
+        await asyncio.to_thread(self.engine.wake_up)
+
+    def _release_staging(self) -> int:
+        released = self.receiver.release_staging()
+        if released and self.engine.device.type == "cuda":
+            torch.cuda.empty_cache()  # back to the driver, where the co-located trainer allocates
+        return released
 
     def leave_weight_group(self) -> None:
         self.receiver.close()

@@ -101,6 +101,8 @@ class PoolTransfer:
         if not specs:
             raise ValueError("a weight push needs at least one tensor")
         version = pool.policy_version + 1 if version is None else version
+        if self._current() and (self.group is None or self.members != self._current()) and pool._reap_dead():
+            pool.wait_ready()  # a group opens below and a survivor's join cannot be called off: replace the dead first
         by_handle = self._current(colocated=True)
         exported = None
         if by_handle:
