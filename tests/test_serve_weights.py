@@ -217,6 +217,26 @@ def test_sleep_and_wake_up(env):
     assert _served(env) == before
 
 
+def _staging_bytes(env) -> float:
+    text = env.server.get("/metrics")[1]
+    return float(next(x for x in text.splitlines() if x.startswith("rollout_weight_staging_bytes ")).split()[1])
+
+
+def test_sleep_gives_back_the_push_staging_too(env):
+    """The receiver keeps a model's worth of bytes between pushes; asleep, the server holds none of it, also after
+    a push made while asleep, and wakes serving that push."""
+    env.client.push_weights(_model(env.model_dir, seed=3))
+    staging = _staging_bytes(env)
+    assert staging > 0
+    assert env.client.sleep()["released_bytes"] >= staging and _staging_bytes(env) == 0
+    new = _model(env.model_dir, seed=4)
+    version = env.client.push_weights(new)
+    assert _staging_bytes(env) == 0
+    env.client.wake_up()
+    _assert_serves(env, new)
+    assert _served(env)[2] == [version] * 6
+
+
 def test_trl_rollout_takes_a_client(env, tmp_path):
     """TRLRollout(RolloutClient): weights pushed by training step, rows from the server."""
     from transformers import AutoTokenizer

@@ -99,7 +99,25 @@ async def update_weights(request: Request) -> dict[str, Any]:
         raise APIError(409, str(e)) from None
     except RuntimeError as e:
         raise APIError(409, str(e)) from None
-    return await _apply(st, views, upd.version, upd.recompute_running, t0)
+    answer = await _apply(st, views, upd.version, upd.recompute_running, t0)
+    views.clear()
+    if st.engine.is_sleeping:  # pushed while asleep: the staging buffer goes again
+        await asyncio.to_thread(_drop_staging, st)
+    return answer
+
+
+def _drop_staging(st: ServerState) -> int:
+    """The receiver keeps a model's worth of staging bytes between pushes; a sleeping engine gives them back
+    too (the next push allocates them again). Kept while a push is in flight. Returns the bytes dropped."""
+    try:
+        released = st.receiver.release_staging()
+    except RuntimeError:  # a transfer holds it
+        return 0
+    if released and st.engine.device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+    return released
 
 
 @router.post("/update_weights_from_disk")
@@ -190,6 +208,7 @@ async def sleep(request: Request, level: int = Query(1)) -> dict[str, Any]:
         raise APIError(400, str(e), param="level") from None
     except RuntimeError as e:
         raise APIError(409, f"{e} (POST /pause?mode=abort does that)") from None
+    released += await asyncio.to_thread(_drop_staging, st)
     return {"sleeping": True, "level": level, "released_bytes": released}
 
 

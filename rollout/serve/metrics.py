@@ -33,6 +33,8 @@ _METRICS: list[tuple[str, str, str, Any]] = [
     ("rollout_paused", "gauge", "1 while generation is paused.", lambda s, st, rate: int(st.loop.paused)),
     ("rollout_sleeping", "gauge", "1 while the KV cache is released (sleep).",
      lambda s, st, rate: int(st.engine.is_sleeping)),
+    ("rollout_weight_staging_bytes", "gauge", "Bytes kept for receiving pushes (a model's worth; none while asleep).",
+     lambda s, st, rate: st.receiver.staging_bytes),
     ("rollout_http_requests_in_flight", "gauge", "Generation requests waiting on the engine.",
      lambda s, st, rate: st.loop.num_waiters()),
 ]
