@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The two-H200 session in three calls (wheels from ../shared/device/wheels.sh serve + ray carried in .whl):
-#   bash bench/h200x2_run.sh 1   # the whole GPU suite (TP and server tests included) + TP W1-short
+#   bash bench/h200x2_run.sh 1   # the GPU suite but the pool's files (TP and server tests included) + TP W1-short
 #   bash bench/h200x2_run.sh 2   # W2 bf16 vs fp8 KV (+ logprob check), server bars, pool throughput
 #   bash bench/h200x2_run.sh 3   # pool weight push bar (0.1 s): replica 0 co-located on GPU 0 by CUDA IPC,
-#                                # replica 1 on GPU 1 by NCCL; then the CUDA IPC GPU tests
+#                                # replica 1 on GPU 1 by NCCL; then the pool's GPU tests (Ray: the rest of the suite)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}
 case "${1:-1}" in
 1)
-  TEST_TIMEOUT=330 bash scripts/gpu_check.sh
+  GPU_TESTS="$(ls tests/gpu/test_*.py | grep -v test_pool_ | tr '\n' ' ')" PART=core TEST_TIMEOUT=330 \
+    bash scripts/gpu_check.sh
   timeout 200 python3 scripts/bench_tp.py --bar w1-short --out "$OUT/tp.jsonl" 2>&1 | grep -v -i warn | tail -6
   ;;
 2)
@@ -23,6 +24,7 @@ case "${1:-1}" in
 3)
   timeout 240 python3 bench/pool_bench.py --mode push --colocate --out "$OUT/pool_push.jsonl" 2>&1 \
     | grep -v -i warn | tail -4
-  timeout 240 python3 -m pytest -x -s -q -p no:cacheprovider tests/gpu/test_pool_ipc_gpu.py 2>&1 | tail -15
+  GPU_TESTS="tests/gpu/test_pool_ipc_gpu.py tests/gpu/test_pool_sleep_gpu.py" PART=pool TEST_TIMEOUT=300 \
+    bash scripts/gpu_check.sh
   ;;
 esac

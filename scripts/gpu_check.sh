@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # One device call: the GPU test suite, then benchmarks. The log's first line names the commit it ran at.
 #   COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh "--workload W3 --modes async" ...
-# (on the GPU machine there is no .git: pass COMMIT). Writes $OUT/gpu_tests_<date>_<commit>.log and
-# $OUT/bench.jsonl; commit both to bench/results/.
+# (on the GPU machine there is no .git: pass COMMIT). Writes $OUT/gpu_tests_<date>_<commit>[_<PART>].log and
+# $OUT/bench.jsonl; commit both to bench/results/. GPU_TESTS picks test files (default: all of tests/gpu),
+# PART names the log of a suite split over several calls.
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export COMMIT
-LOG="$OUT/gpu_tests_$(date -u +%F)_${COMMIT}.log"
+LOG="$OUT/gpu_tests_$(date -u +%F)_${COMMIT}${PART:+_$PART}.log"
 {
   echo "commit $COMMIT"
+  echo "tests ${GPU_TESTS:-tests/gpu}"
   echo "date $(date -u +%FT%TZ)"
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
