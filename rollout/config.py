@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8")  # "auto" = the model's dtype
+TP_ALL_REDUCE = ("nccl", "symm_mem")  # the process group's all-reduce; or PyTorch symmetric memory's one-shot
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,7 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks (GPUs) one model is sharded over; 1 = no tensor parallelism
     swap_space_gib: float = 0.0  # pinned host pool for preempted sequences' KV; 0 = off (recompute only)
+    tp_all_reduce: str = "nccl"  # "symm_mem": opt-in one-shot all-reduce for decode-sized tensors (CUDA, TP > 1)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch_size"):
@@ -67,6 +69,11 @@ class EngineConfig:
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.swap_space_gib and self.tensor_parallel_size > 1:
             raise ValueError("swap_space_gib > 0 is not supported with tensor_parallel_size > 1 yet; use 0 (recompute)")
+        if self.tp_all_reduce not in TP_ALL_REDUCE:
+            raise ValueError(f"tp_all_reduce must be one of {TP_ALL_REDUCE}, got {self.tp_all_reduce!r}")
+        if self.tp_all_reduce == "symm_mem" and self.tensor_parallel_size == 1:
+            raise ValueError("tp_all_reduce='symm_mem' needs tensor_parallel_size > 1 (and CUDA devices); "
+                             "with one rank there is nothing to all-reduce, use 'nccl'")
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

@@ -3,7 +3,8 @@
 Layers receive it explicitly (no module-level "current group"): a model built with ``TPGroup.single()``
 communicates nothing and computes exactly what the unsharded model does. The collectives are the
 plain ``torch.distributed`` ones, so they run over gloo on the CPU (tests) and NCCL on CUDA, where
-they can be captured inside CUDA graphs once warmed up.
+they can be captured inside CUDA graphs once warmed up. With ``tp_all_reduce="symm_mem"`` (opt-in, CUDA) the
+all-reduces that fit its buffer go through PyTorch's symmetric memory instead (``symm_mem.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rollout.distributed.symm_mem import SymmMemAllReduce, SymmMemSpec
+
 # torch >= 2.13 renamed all_gather_into_tensor (the old name warns).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -27,6 +30,7 @@ class TPGroup:
     world_size: int
     group: Any = None  # a torch.distributed ProcessGroup; None only when world_size == 1
     _mode: _Mode = field(default_factory=lambda: _Mode(), compare=False, repr=False)
+    symm: SymmMemAllReduce | None = field(default=None, compare=False, repr=False)  # None: every all-reduce by pg
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -40,9 +44,10 @@ class TPGroup:
 
     @classmethod
     def create(cls, store: Any, rank: int, world_size: int, device: torch.device,
-               timeout: timedelta = timedelta(minutes=10)) -> TPGroup:
+               timeout: timedelta = timedelta(minutes=10), symm_mem: SymmMemSpec | None = None) -> TPGroup:
         """A process group of its own over ``store`` (gloo on the CPU, NCCL on CUDA), without
-        ``init_process_group``: the engine's process may be a trainer with a default group of its own."""
+        ``init_process_group``: the engine's process may be a trainer with a default group of its own.
+        ``symm_mem``: also rendezvous a symmetric buffer of that size (CUDA; every rank passes the same)."""
         if world_size == 1:
             return cls.single()
         store = dist.PrefixStore("rollout_tp/", store)
@@ -57,7 +62,8 @@ class TPGroup:
         pg._set_default_backend(kind)
         backend._set_sequence_number_for_group()
         pg._register_backend(torch.device(device.type), kind, backend)
-        return cls(rank, world_size, pg)
+        symm = None if symm_mem is None else SymmMemAllReduce.create(pg, store, rank, device, symm_mem)
+        return cls(rank, world_size, pg, symm=symm)
 
     @classmethod
     def from_default_group(cls) -> TPGroup:
@@ -92,7 +98,10 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place; returns ``x``."""
         if self.communicates:
-            dist.all_reduce(x, group=self.group)
+            if self.symm is not None and self.symm.fits(x):
+                self.symm.all_reduce(x)
+            else:
+                dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:

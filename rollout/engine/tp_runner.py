@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from rollout.config import EngineConfig
 from rollout.distributed.group import TPGroup
+from rollout.distributed.symm_mem import SymmMemSpec, check_symm_mem_start, symm_mem_spec
 from rollout.engine import loading
 from rollout.engine.plan import BatchPlan, SampleResult
 from rollout.engine.tp_workers import TPWorkers, WorkerSpec
@@ -33,6 +34,7 @@ def start_tensor_parallel(source: object, dtype: str | torch.dtype, device: torc
                           config: EngineConfig) -> tuple[torch.nn.Module, Any, TPWorkers]:
     """Rank 0's shard, the HF config and the running workers (each with its shard loaded)."""
     n = config.tensor_parallel_size
+    check_symm_mem_start(config, device)
     hf_config = loading.source_config(source)
     check_tp_shapes(hf_config, n)
     if device.type == "cuda":
@@ -40,13 +42,14 @@ def start_tensor_parallel(source: object, dtype: str | torch.dtype, device: torc
         if first + n > count:
             raise ValueError(f"tensor_parallel_size={n} needs {n} GPUs from cuda:{first}, but {count} are visible")
     torch_dtype = loading.resolve_dtype(dtype, hf_config, device)
+    symm = symm_mem_spec(config, hf_config.hidden_size, torch_dtype)
     checkpoint = str(source) if isinstance(source, (str, os.PathLike)) else None
     store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False, timeout=timedelta(minutes=10))
     workers = TPWorkers(WorkerSpec(hf_config, checkpoint, torch_dtype, str(device), n, store.port,
-                                   torch.get_num_threads()))
+                                   torch.get_num_threads(), symm))
     workers.store = store  # the rendezvous lives as long as the workers
     try:
-        tp = _join_group(store, n, device, workers)
+        tp = _join_group(store, n, device, workers, symm)
         workers.on_death = lambda: _abort(tp)
         model = loading.build_shard(hf_config, checkpoint, torch_dtype, device, tp)
         workers.replies()  # every worker has built (and, from a checkpoint, loaded) its shard
@@ -88,14 +91,14 @@ class _NamedParameters:
         return iter(self.source.named_parameters())
 
 
-def _join_group(store: Any, n: int, device: torch.device, workers: TPWorkers) -> TPGroup:
+def _join_group(store: Any, n: int, device: torch.device, workers: TPWorkers, symm: SymmMemSpec | None) -> TPGroup:
     """Rank 0's side of the rendezvous, watching the workers: one that dies while starting is reported
     at once instead of leaving rank 0 waiting for it until the timeout."""
     box: dict[str, Any] = {}
 
     def join() -> None:
         try:
-            box["tp"] = TPGroup.create(store, 0, n, device)
+            box["tp"] = TPGroup.create(store, 0, n, device, symm_mem=symm)
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             box["error"] = e
 

@@ -41,7 +41,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
             torch.cuda.set_device(device)
         store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world_size, is_master=False,
                               timeout=STORE_TIMEOUT)
-        tp = TPGroup.create(store, rank, spec.world_size, device)
+        tp = TPGroup.create(store, rank, spec.world_size, device, symm_mem=spec.symm_mem)
         worker = Worker(spec, tp, device)
         _reply(conn, "ok", None)
         worker.serve(conn)

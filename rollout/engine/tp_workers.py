@@ -35,6 +35,7 @@ class WorkerSpec:
     world_size: int
     store_port: int  # rank 0's TCPStore, for the process group's rendezvous
     num_threads: int  # torch CPU threads per worker
+    symm_mem: Any = None  # a SymmMemSpec: tp_all_reduce="symm_mem"'s buffer; None: NCCL all-reduces only
 
 
 def worker_device(rank0_device: str, rank: int) -> torch.device:
