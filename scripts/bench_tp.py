@@ -3,13 +3,16 @@
     python scripts/bench_tp.py --bar parity   --out bench/results/tp_h200x2.jsonl  # qwen3-0.6b fp32, 256 x 512
     python scripts/bench_tp.py --bar w1-short --out bench/results/tp_h200x2.jsonl  # llama3-8b bf16, TP=2 vs TP=1
     python scripts/bench_tp.py --bar 70b      --out bench/results/tp_h200x2.jsonl  # llama3-70b shape, 32 x 128 -> 2048
+    python scripts/bench_tp.py --bar w1-short --tp 2 --tp-all-reduce symm_mem ...     # A/B: the opt-in all-reduce
 
 Weights are random (seeded per tensor name) and made on the GPU one tensor at a time as the engine
 asks for them, so TP=1 and TP=2 get identical weights and a 70B-shaped model never exists whole on
 one GPU. ``mean_decode_compute_ms`` is rank 0's compute-stream time per decode step (it includes
 waiting in the all-reduces for rank 1); ``gpu_busy_frac_rank1`` is the worker's own compute time
 over the same wall. ``floor_ratio``: weights + live KV one rank must read per decode step over the
-copy bandwidth, divided by that step time.
+copy bandwidth, divided by that step time. ``--tp-all-reduce symm_mem`` runs the TP > 1 engines with the
+opt-in symmetric-memory all-reduce (one such engine per process: PyTorch counts its rendezvous per process).
+Each record is appended to ``--out`` as soon as it is made, so a run cut by a timeout keeps what finished.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from rollout import Engine, SamplingParams  # noqa: E402
+from rollout.config import TP_ALL_REDUCE  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("bench", os.path.join(os.path.dirname(__file__), "bench.py"))
 bench = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
@@ -68,12 +72,15 @@ class RandomWeights:
                 yield name, torch.empty(shape, dtype=self.dtype, device="cuda").normal_(0.0, 0.02, generator=g)
 
 
-def run(bar: dict, tp: int, source: RandomWeights, bw: float, max_num_seqs: int) -> tuple[dict, list]:
+def run(bar: dict, tp: int, source: RandomWeights, bw: float, max_num_seqs: int,
+        tp_all_reduce: str = "nccl") -> tuple[dict, list]:
     w = dict(prompts=bar["prompts"], prompt_len=bar["prompt_len"], new=bar["new"])
     prompts, params = bench.make_prompts(w, source.config.vocab_size)
     blocks = int(len(prompts) * -(-(w["prompt_len"] + w["new"]) // 16) * 1.1) + 64
+    all_reduce = tp_all_reduce if tp > 1 else "nccl"  # one rank has nothing to all-reduce
     engine = Engine.from_pretrained(source, dtype=bar["dtype"], tensor_parallel_size=tp, num_blocks=blocks,
-                                    max_model_len=w["prompt_len"] + w["new"] + 16, max_num_seqs=max_num_seqs)
+                                    max_model_len=w["prompt_len"] + w["new"] + 16, max_num_seqs=max_num_seqs,
+                                    tp_all_reduce=all_reduce)
     runner = getattr(engine.runner, "inner", engine.runner)
     warm = [[1] * 8] * min(len(prompts), max_num_seqs)
     for b in sorted(runner.graph_sizes, reverse=True):  # capture every decode graph before timing
@@ -97,7 +104,8 @@ def run(bar: dict, tp: int, source: RandomWeights, bw: float, max_num_seqs: int)
     dec_s = sum(r.compute_ms for r in dec) / 1e3
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     rec = dict(
-        bar=bar["name"], preset=bar["preset"], dtype=bar["dtype"], tensor_parallel_size=tp, prompts=len(prompts),
+        bar=bar["name"], preset=bar["preset"], dtype=bar["dtype"], tensor_parallel_size=tp, tp_all_reduce=all_reduce,
+        prompts=len(prompts),
         new_tokens=w["new"], timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         wall_s=round(wall, 3), generated_tokens=tokens, tok_s=round(tokens / wall, 1), steps=len(recs),
         decode_steps=len(dec), mean_step_ms=round(wall / max(1, len(recs)) * 1e3, 3),
@@ -136,26 +144,36 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bar", choices=sorted(BARS), required=True)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--tp", type=int, nargs="+", default=None,
+                   help="only these of the bar's tensor_parallel_size runs (e.g. --tp 2 skips TP=1)")
+    p.add_argument("--tp-all-reduce", choices=TP_ALL_REDUCE, default="nccl",
+                   help="the TP > 1 engines' all-reduce (symm_mem: opt-in, unverified on GPUs)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     bar = {**BARS[args.bar], "name": args.bar}
+    tps = [tp for tp in bar["tp"] if args.tp is None or tp in args.tp]
+    if not tps:
+        p.error(f"--tp {args.tp}: bar {args.bar} runs tensor_parallel_size {bar['tp']}")
+
+    def emit(rec: dict) -> None:
+        print(json.dumps(rec), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
     bw = bench.copy_bandwidth_tbps()
     source = RandomWeights(bar["preset"], getattr(torch, bar["dtype"]))
     recs, results = [], {}
-    for tp in bar["tp"]:
-        rec, results[tp] = run(bar, tp, source, bw, args.max_num_seqs)
+    for tp in tps:
+        rec, results[tp] = run(bar, tp, source, bw, args.max_num_seqs, args.tp_all_reduce)
         recs.append(rec)
-        print(json.dumps(rec), flush=True)
+        emit(rec)
     if len(results) == 2:
-        summary = dict(bar=args.bar, kind="tp2_vs_tp1", **compare(results[1], results[2]),
-                       step_ratio_decode_compute=round(recs[1]["mean_decode_compute_ms"]
-                                                       / recs[0]["mean_decode_compute_ms"], 4),
-                       step_ratio_wall=round(recs[1]["mean_step_ms"] / recs[0]["mean_step_ms"], 4))
-        recs.append(summary)
-        print(json.dumps(summary), flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in recs)
+        emit(dict(bar=args.bar, kind="tp2_vs_tp1", tp_all_reduce=args.tp_all_reduce,
+                  **compare(results[1], results[2]),
+                  step_ratio_decode_compute=round(recs[1]["mean_decode_compute_ms"]
+                                                  / recs[0]["mean_decode_compute_ms"], 4),
+                  step_ratio_wall=round(recs[1]["mean_step_ms"] / recs[0]["mean_step_ms"], 4)))
 
 
 if __name__ == "__main__":
