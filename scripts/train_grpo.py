@@ -43,8 +43,8 @@ from omegaconf import DictConfig  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from rollout.cli import quiet_progress_bars, resolved_config, run_or_exit  # noqa: E402
-from rollout.job.checks import check_bool, check_choice, check_int, fail  # noqa: E402
-from rollout.job.config import JobConfig  # noqa: E402
+from rollout.job.checks import check_choice  # noqa: E402
+from rollout.job.config import JobConfig, check_partial_keys  # noqa: E402
 from trainer_hooks import train_setup as setup  # noqa: E402
 from trainer_hooks.engine_metrics import StepTimes  # noqa: E402
 
@@ -110,15 +110,7 @@ class RolloutMode:
         check_choice("rollout.mode", self.mode, ROLLOUT_MODES)
         if not isinstance(self.url, str) or not self.url.startswith("http://"):
             raise ValueError(f"rollout.url={self.url!r} is invalid: must be an http://host:port address")
-        if self.max_inflight_groups is not None:
-            check_int("rollout.max_inflight_groups", self.max_inflight_groups, lo=1, allowed="an int >= 1 or null")
-        if self.max_staleness is not None:
-            check_int("rollout.max_staleness", self.max_staleness, lo=0, allowed="an int >= 0 or null")
-        check_choice("rollout.stale_groups", self.stale_groups, ("drop", "regenerate"))
-        check_bool("rollout.recompute_running", self.recompute_running)
-        for key in ("max_inflight_groups", "max_staleness"):
-            if self.mode != "partial" and getattr(self, key) is not None:
-                fail(f"rollout.{key}", getattr(self, key), f"null with rollout.mode={self.mode} (it is partial mode's)")
+        check_partial_keys(self, self.mode == "partial")
 
     def rollout_kwargs(self) -> dict[str, Any]:
         """``TRLRollout``'s partial-mode arguments (none in the other modes: their defaults)."""

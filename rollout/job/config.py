@@ -131,6 +131,21 @@ class DataConfig:
         check_int("data.seed", self.seed, lo=0)
 
 
+
+def check_partial_keys(cfg: Any, partial: bool) -> None:
+    """The partial-rollout keys of ``rollout`` (``max_inflight_groups``, ``max_staleness``, ``stale_groups``,
+    ``recompute_running``), shared by the main job's and the training script's config: valid values, and the
+    two counts left null outside partial mode."""
+    if cfg.max_inflight_groups is not None:
+        check_int("rollout.max_inflight_groups", cfg.max_inflight_groups, lo=1, allowed="an int >= 1 or null")
+    if cfg.max_staleness is not None:
+        check_int("rollout.max_staleness", cfg.max_staleness, lo=0, allowed="an int >= 0 or null")
+    check_choice("rollout.stale_groups", cfg.stale_groups, ("drop", "regenerate"))
+    check_bool("rollout.recompute_running", cfg.recompute_running)
+    for key in ("max_inflight_groups", "max_staleness"):
+        if not partial and getattr(cfg, key) is not None:
+            fail(f"rollout.{key}", getattr(cfg, key), f"null with rollout.mode={cfg.mode} (it is partial mode's)")
+
 @dataclass(frozen=True, slots=True)
 class RolloutConfig:
     rounds: int = 2
@@ -158,16 +173,8 @@ class RolloutConfig:
         if self.reward is not None:
             check_reward_spec(self.reward)  # a shipped name or 'package.module:function'
         check_choice("rollout.mode", self.mode, ("drain", "partial"))
-        if self.max_inflight_groups is not None:
-            check_int("rollout.max_inflight_groups", self.max_inflight_groups, lo=1, allowed="an int >= 1 or null")
-        if self.max_staleness is not None:
-            check_int("rollout.max_staleness", self.max_staleness, lo=0, allowed="an int >= 0 or null")
-        check_choice("rollout.stale_groups", self.stale_groups, ("drop", "regenerate"))
-        check_bool("rollout.recompute_running", self.recompute_running)
+        check_partial_keys(self, self.mode == "partial")
         check_opt_str("rollout.weights_from", self.weights_from)
-        for key in ("max_inflight_groups", "max_staleness"):
-            if self.mode == "drain" and getattr(self, key) is not None:
-                fail(f"rollout.{key}", getattr(self, key), "null with rollout.mode=drain (it is partial mode's)")
 
 
 @dataclass(frozen=True, slots=True)
