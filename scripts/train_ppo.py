@@ -91,7 +91,6 @@ def train_ppo(job: JobConfig, train: TrainConfig, on_push: Any = None) -> Path:
 
     from rollout.job.rewards import load_reward
     from rollout.job.wandb_logger import WandbLogger
-    from trainer_hooks.engine_metrics import engine_run_config
     from trainer_hooks.ppo import ValueModel
     from trainer_hooks.ppo_loop import EnginePPO, batches
 
@@ -112,7 +111,7 @@ def train_ppo(job: JobConfig, train: TrainConfig, on_push: Any = None) -> Path:
     bf16 = cuda if train.bf16 is None else train.bf16
     ppo = EnginePPO(engine, policy, value, ref.to(device), tokenizer, reward, train.ppo_config(),
                     job.sampling.to_params(), sleep_level=train.sleep_level, bf16=bf16, on_push=on_push)
-    config = {"job": job.to_dict(), "train": dataclasses.asdict(train), "engine": engine_run_config(engine)}
+    config = {"job": job.to_dict(), "train": dataclasses.asdict(train), "engine": engine.describe()}
     wandb = WandbLogger(job.logger.wandb, out, config)
     steps_log, times = setup.StepLog(out / "metrics.jsonl", train.reward), StepTimes(out / "step_times.json")
     log.info("PPO on %s: %d steps x %d prompts x %d samples, reward %s, engine on %s", checkpoint.name, train.steps,

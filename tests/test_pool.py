@@ -169,10 +169,11 @@ def test_trl_rollout_over_the_pool(pool) -> None:
         assert torch.allclose(torch.tensor(lps), ref, atol=1e-4)
 
 
-def test_engine_view_lets_the_job_actor_step_a_pool(pool) -> None:
-    from rollout.pool.engine_view import PoolEngine
+def test_the_pool_steps_for_the_job_as_an_engine_does(pool) -> None:
+    from rollout import SteppedBackend
 
-    view = PoolEngine(pool)
+    assert isinstance(pool, SteppedBackend)
+    view = pool
     prompts = random_prompts(5, 256, hi=12, seed=11)
     params = _params(5)
     ids = [view.add_request(p, sp, f"job-{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
@@ -194,11 +195,10 @@ def test_job_actor_over_the_pool_logs_per_replica_metrics(pool) -> None:
 
     from rollout.job.actor import RolloutActor
     from rollout.job.data import Prompt
-    from rollout.pool.engine_view import PoolEngine
 
     prompts = random_prompts(4, 256, hi=12, seed=12)
     dataset = SimpleNamespace(tokenizer=None, get=lambda g: Prompt(g % 4, "", tuple(prompts[g % 4]), None))
-    actor = RolloutActor(PoolEngine(pool), dataset, SamplingParams(n=2, max_tokens=5, ignore_eos=True), num_prompts=4)
+    actor = RolloutActor(pool, dataset, SamplingParams(n=2, max_tokens=5, ignore_eos=True), num_prompts=4)
     m = actor.run_round().metrics
     assert m["pool/alive"] == 2 and m["num_samples"] == 8
     for i in (0, 1):

@@ -127,13 +127,13 @@ def test_train_ppo_refuses_bad_config(tmp_path, override, message):
         script.run(compose("train_ppo", f"output_dir={tmp_path}", override))
 
 
-def test_ppo_refuses_sleep_on_an_engine_that_cannot():
-    """sleep_level needs sleep / wake_up / is_sleeping (an Engine, a RolloutPool): refused up front otherwise."""
+def test_ppo_refuses_what_is_not_a_backend():
+    """EnginePPO takes a RolloutBackend (Engine, RolloutPool, RolloutClient), checked once at its door."""
     from types import SimpleNamespace
 
     from trainer_hooks.ppo_loop import EnginePPO
 
-    other = SimpleNamespace(update_weights=None, policy_version=0)  # an engine-like object without sleep()
-    with pytest.raises(ValueError, match="sleep_level=1 needs an Engine or a RolloutPool"):
+    other = SimpleNamespace(update_weights=None, policy_version=0, generate=None)  # engine-like, no contract
+    with pytest.raises(TypeError, match="EnginePPO needs an Engine, a RolloutPool or a RolloutClient"):
         EnginePPO(other, torch.nn.Linear(1, 1), None, torch.nn.Linear(1, 1), None, None, PPOConfig(),
                   SamplingParams(temperature=1.0), sleep_level=1)
