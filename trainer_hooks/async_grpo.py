@@ -88,12 +88,12 @@ class EngineRolloutWorker:
     def __init__(self, engine: Any, dataset: Any, reward_funcs: list[Callable[..., list[float]]],
                  tokenizer: Any, args: Any, max_inflight: int | None = None, max_staleness: int | None = None
                  ) -> None:
+        self.engine = require_backend(engine, "the async GRPO rollout worker", ContinuousBackend)
         check_max_staleness(max_staleness)
         if args.num_generations < 1:
             raise ValueError(f"num_generations must be >= 1, got {args.num_generations}")
         if len(dataset) == 0 or "prompt" not in dataset.column_names:
             raise ValueError(f"the dataset needs rows with a 'prompt' column, got {dataset.column_names}")
-        self.engine = require_backend(engine, "the async GRPO rollout worker", ContinuousBackend)
         self.dataset, self.reward_funcs, self.tokenizer = dataset, list(reward_funcs), tokenizer
         self.n = args.num_generations
         self.params = dataclasses.replace(sampling_params_from_args(args, self._eos_ids(tokenizer)), n=self.n)
