@@ -29,7 +29,9 @@ import zlib
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+# scripts/rollout.py is named like the package: look past this folder for `import rollout` (the package comes
+# from the install or PYTHONPATH, as for the other scripts).
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != os.path.dirname(os.path.realpath(__file__))]
 
 from rollout import Engine, SamplingParams  # noqa: E402
 from rollout.config import TP_ALL_REDUCE  # noqa: E402

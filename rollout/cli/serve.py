@@ -1,31 +1,25 @@
 """The engine as an OpenAI / vLLM-compatible server that a trainer in another process pushes weights into.
 
-    python scripts/serve.py                                   # the embedded tiny model on 127.0.0.1:8000
-    python scripts/serve.py model.path=/ckpt server.host=0.0.0.0 server.port=8001 engine.max_num_seqs=256
+    rollout-serve                                             # the embedded tiny model on 127.0.0.1:8000
+    rollout-serve model.path=/ckpt server.host=0.0.0.0 server.port=8001 engine.max_num_seqs=256
 
-Configured like the main job (conf/serve.yaml reuses its model / engine / sampling groups, plus
-`server`); the engine is built exactly as scripts/rollout.py builds it. Everything a user can get wrong
+(``python scripts/serve.py ...`` from the repo root does the same.) Configured like the main job
+(rollout/conf/serve.yaml reuses its model / engine / sampling groups, plus
+`server`); the engine is built exactly as the main job builds it. Everything a user can get wrong
 is checked before loading; the script then prints ``error: ...`` and exits with status 2.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import sys
 from pathlib import Path
 
-# scripts/rollout.py is named like the package: drop this directory from the path so `import rollout`
-# finds the package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _HERE]
+import hydra
+from omegaconf import DictConfig
 
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-import rollout.job.setup as setup  # noqa: E402
-from rollout.cli import quiet_progress_bars, resolved_config, run_or_exit  # noqa: E402
-from rollout.serve.config import ServeConfig  # noqa: E402
+import rollout.job.setup as setup
+from rollout.cli import quiet_progress_bars, resolved_config, run_or_exit
+from rollout.serve.config import ServeConfig
 
 log = logging.getLogger("rollout.serve")
 
@@ -55,9 +49,9 @@ def run(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="serve")
 def main(cfg: DictConfig) -> None:
+    quiet_progress_bars()
     run_or_exit(run, cfg, log)
 
 
 if __name__ == "__main__":
-    quiet_progress_bars()
     main()

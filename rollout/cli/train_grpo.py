@@ -8,12 +8,12 @@
     rollout-train-grpo train.sleep_level=1                    # co-located: the engine frees its KV cache
                                                               # while the trainer trains
     rollout-train-grpo pool.replicas=2 pool.colocate_with_trainer=true train.sleep_level=1  # replica 0 does
-    rollout-train-grpo rollout.mode=server rollout.url=http://127.0.0.1:8000  # against scripts/serve.py
+    rollout-train-grpo rollout.mode=server rollout.url=http://127.0.0.1:8000  # against rollout-serve
     rollout-train-grpo rollout.mode=partial rollout.max_staleness=2           # partial rollouts: no step waits
                                                               # for its batch's longest group
 
-(``python -m scripts.train_grpo ...`` from the repo root does the same.) Configured like the main job
-(conf/train_grpo.yaml reuses its groups and presets). The engine's logprobs feed TRL's importance-sampling
+(``python scripts/train_grpo.py ...`` from the repo root does the same.) Configured like the main job
+(rollout/conf/train_grpo.yaml reuses its groups and presets). The engine's logprobs feed TRL's importance-sampling
 correction (``EngineGRPOTrainer``). Logs a line per step (Hydra's log file too), writes output_dir/
 metrics.jsonl and step_times.json (generation / weight push / training seconds per step), and logs to the
 trainer's W&B run (offline by default) with the engine's ``rollout/*`` metrics and its resolved config.
@@ -26,27 +26,20 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
-import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# scripts/rollout.py is named like the package: drop this directory from the path so that
-# `python scripts/<this>.py` imports the package, not that script.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _HERE]
+import hydra
+from omegaconf import DictConfig
+from transformers import TrainerCallback
 
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
-
-from rollout.cli import quiet_progress_bars, resolved_config, run_or_exit  # noqa: E402
-from rollout.job.checks import check_choice  # noqa: E402
-from rollout.job.config import JobConfig, check_partial_keys  # noqa: E402
-from trainer_hooks import train_setup as setup  # noqa: E402
-from trainer_hooks.engine_metrics import StepTimes  # noqa: E402
+from rollout.cli import quiet_progress_bars, resolved_config, run_or_exit
+from rollout.job.checks import check_choice
+from rollout.job.config import JobConfig, check_partial_keys
+from trainer_hooks import train_setup as setup
+from trainer_hooks.engine_metrics import StepTimes
 
 log = logging.getLogger("rollout.train")
 TRAINERS = ("grpo", "async_grpo")
@@ -96,8 +89,8 @@ class RolloutMode:
     """Where and how generation runs. ``engine``: in this process, each step waits for all its groups;
     ``partial``: in this process, partial rollouts (the main job's ``rollout.mode=partial``: complete groups
     handed out as they finish, the rest carried into later steps; ``TRLRollout(mode="partial")`` / the async
-    worker's staleness control); ``server``: a running scripts/serve.py at ``url``. The other keys are the
-    main job's partial-mode keys (conf/rollout/default.yaml)."""
+    worker's staleness control); ``server``: a running rollout-serve at ``url``. The other keys are the
+    main job's partial-mode keys (rollout/conf/rollout/default.yaml)."""
 
     mode: str = "engine"
     url: str = "http://127.0.0.1:8000"
@@ -178,7 +171,7 @@ def train_grpo(job: JobConfig, train: TrainConfig, mode: RolloutMode | None = No
 
         engine: Any = RolloutClient(mode.url)
         if not engine.health():
-            raise ValueError(f"rollout.url={mode.url!r}: no rollout server answers there (start scripts/serve.py)")
+            raise ValueError(f"rollout.url={mode.url!r}: no rollout server answers there (start rollout-serve)")
         engine.device = torch.device(job.model.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     else:
         engine = setup.make_engine(job, checkpoint, tokenizer, train.torch_threads)
@@ -310,9 +303,9 @@ class StepCallback(TrainerCallback):
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train_grpo")
 def main(cfg: DictConfig) -> None:
+    quiet_progress_bars()
     run_or_exit(run, cfg, log)
 
 
 if __name__ == "__main__":
-    quiet_progress_bars()
     main()

@@ -5,7 +5,7 @@
     rollout-train-ppo train.reward=my_pkg.rewards:score train.ppo.kl_coef=0.05 train.sleep_level=1
     rollout-train-ppo pool.replicas=2 pool.gpus_per_replica=0 # a RolloutPool of 2 Ray actors generates
 
-(``python -m scripts.train_ppo ...`` from the repo root does the same.) The engine samples with the
+(``python scripts/train_ppo.py ...`` from the repo root does the same.) The engine samples with the
 policy's weights, pushed after every optimizer step (``trainer_hooks.ppo_loop.EnginePPO``); its logprobs
 are the behaviour policy's. ``pool.replicas`` > 1 generates with a ``RolloutPool`` built as for
 train_grpo.py (``train_setup.make_engine``); each push is broadcast to every replica. Logs a line per step
@@ -18,26 +18,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# scripts/rollout.py is named like the package: drop this directory from the path so that
-# `python scripts/<this>.py` imports the package, not that script.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _HERE]
+import hydra
+from omegaconf import DictConfig
 
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-from rollout.cli import quiet_progress_bars, resolved_config, run_or_exit  # noqa: E402
-from rollout.job.config import JobConfig  # noqa: E402
-from trainer_hooks import train_setup as setup  # noqa: E402
-from trainer_hooks.engine_metrics import StepTimes  # noqa: E402
-from trainer_hooks.ppo import PPO_FIELDS, PPOConfig  # noqa: E402
+from rollout.cli import quiet_progress_bars, resolved_config, run_or_exit
+from rollout.job.config import JobConfig
+from trainer_hooks import train_setup as setup
+from trainer_hooks.engine_metrics import StepTimes
+from trainer_hooks.ppo import PPO_FIELDS, PPOConfig
 
 log = logging.getLogger("rollout.train")
 
@@ -139,9 +132,9 @@ def train_ppo(job: JobConfig, train: TrainConfig, on_push: Any = None) -> Path:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train_ppo")
 def main(cfg: DictConfig) -> None:
+    quiet_progress_bars()
     run_or_exit(run, cfg, log)
 
 
 if __name__ == "__main__":
-    quiet_progress_bars()
     main()

@@ -1,0 +1,12 @@
+"""`rollout-serve` from a checkout: `python scripts/serve.py [group.key=value ...]`."""
+
+import os
+import sys
+
+# scripts/rollout.py is named like the package: look past this folder for `import rollout`.
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != os.path.dirname(os.path.realpath(__file__))]
+
+from rollout.cli.serve import main  # noqa: E402
+
+if __name__ == "__main__":
+    main()
