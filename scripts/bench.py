@@ -25,8 +25,8 @@ import time
 
 import torch
 
-# scripts/rollout.py is named like the package: look past this folder for `import rollout` (the package comes
-# from the install or PYTHONPATH, as for the other scripts).
+# Python puts this directory first on sys.path, where scripts/rollout.py would shadow the `rollout` package
+# (which comes from the install or PYTHONPATH).
 sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != os.path.dirname(os.path.realpath(__file__))]
 
 from rollout import Engine, SamplingParams  # noqa: E402

@@ -1,10 +1,10 @@
 """`rollout-train-grpo` from a checkout: `python scripts/train_grpo.py [group.key=value ...]`."""
 
-import os
 import sys
+from pathlib import Path
 
-# scripts/rollout.py is named like the package: look past this folder for `import rollout`.
-sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != os.path.dirname(os.path.realpath(__file__))]
+# Python puts this directory first on sys.path, where scripts/rollout.py would shadow the `rollout` package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 from rollout.cli.train_grpo import main  # noqa: E402
 
