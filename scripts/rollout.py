@@ -133,7 +133,7 @@ def _summary(m: dict[str, Any]) -> str:
     )
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="../rollout/conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     run_or_exit(run, cfg, log)
 

@@ -1,4 +1,6 @@
-"""Compose the Hydra configs in conf/ and load the scripts in scripts/ as modules, for tests."""
+"""Compose the Hydra configs in rollout/conf/ and load the scripts left in scripts/ (bench.py) as modules, for tests.
+
+The console entry points are modules (``rollout.cli.serve``, ``rollout.cli.train_grpo``, ...): tests import them."""
 
 from __future__ import annotations
 
@@ -9,13 +11,14 @@ from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "rollout" / "conf"
 
 
 def compose(config_name: str, *overrides: str) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(ROOT / "rollout" / "conf"), version_base="1.3"):
         return hydra_compose(config_name, overrides=list(overrides))
 
 

@@ -1,6 +1,6 @@
-"""The main job's configuration: frozen dataclasses mirrored one-to-one by the Hydra groups in conf/.
+"""The main job's configuration: frozen dataclasses mirrored one-to-one by the Hydra groups in rollout/conf/.
 
-Built from a plain dict (``JobConfig.from_dict``) so Hydra stays in scripts/. Every user error is a
+Built from a plain dict (``JobConfig.from_dict``) so Hydra stays in the entry points. Every user error is a
 ValueError naming the key, the value and what is allowed, raised before anything is loaded.
 """
 
