@@ -6,6 +6,7 @@ import json
 import logging
 
 import pytest
+import torch
 
 from rollout.cli import train_grpo
 from tests.script_helpers import compose, message_regex
@@ -77,9 +78,8 @@ def test_grpo_config_passthrough():
     script = train_grpo
     job, train, _ = script.load_config(_raw("+train.grpo.loss_type=dr_grpo", "+train.grpo.epsilon_high=0.28",
                                          "+train.grpo.gradient_accumulation_steps=4"))
-    from types import SimpleNamespace
 
-    args = script.trainer_args(job, train, SimpleNamespace(device=SimpleNamespace(type="cpu")), ["none"])
+    args = script.trainer_args(job, train, torch.device("cpu"), ["none"])
     assert (args.loss_type, args.epsilon_high, args.gradient_accumulation_steps) == ("dr_grpo", 0.28, 4)
     assert args.per_device_train_batch_size * 4 == job.data.num_prompts * job.sampling.n
     assert args.vllm_importance_sampling_mode == "token_truncate"
@@ -119,9 +119,8 @@ def test_train_script_refuses_bad_config(tmp_path, override, message):
     script = train_grpo
     with pytest.raises(ValueError, match=message_regex(message)):
         job, train, _ = script.load_config(_raw(*override.split()))
-        from types import SimpleNamespace
 
-        script.trainer_args(job, train, SimpleNamespace(device=SimpleNamespace(type="cpu")), ["none"])
+        script.trainer_args(job, train, torch.device("cpu"), ["none"])
 
 
 def test_grpo_generates_with_a_pool_of_two_replicas(tmp_path):

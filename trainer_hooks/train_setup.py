@@ -105,20 +105,24 @@ def make_pool(job: JobConfig, checkpoint: Path, torch_threads: int | None = None
     per step, and at level 2 turns their pushes into copies into host memory. Without co-location every
     replica sleeps, as one engine does: the replicas then share the host (CPU replicas, or GPUs shared by
     placement), and sleeping one that shares nothing with the trainer is harmless."""
-    import torch
 
     from rollout.pool import EngineFactory
     from rollout.pool.pool import RolloutPool
 
     factory = EngineFactory(str(checkpoint), job.model.dtype, job.model.device, job.model.tokenizer or str(checkpoint),
                             dataclasses.asdict(job.engine))
-    device = torch.device(job.model.device or ("cuda" if torch.cuda.is_available() else "cpu"))  # the trainer's
     pool = RolloutPool(job.pool.replicas, factory, address=job.pool.address,
                        gpus_per_replica=job.pool.gpus_per_replica, torch_threads=torch_threads,
-                       colocate_with_trainer=job.pool.colocate_with_trainer, trainer_device=device,
+                       colocate_with_trainer=job.pool.colocate_with_trainer, trainer_device=trainer_device(job),
                        sleep_replicas=[0] if job.pool.colocate_with_trainer else None)
-    pool.device = device
     return pool
+
+
+def trainer_device(job: JobConfig) -> Any:
+    """Where the trainer's models live: ``model.device``, else the GPU if there is one."""
+    import torch
+
+    return torch.device(job.model.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def close_engine(job: JobConfig, engine: Any) -> None:

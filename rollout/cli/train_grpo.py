@@ -164,18 +164,16 @@ def train_grpo(job: JobConfig, train: TrainConfig, mode: RolloutMode | None = No
     tokenizer = setup.load_tokenizer(job, checkpoint)
     dataset = setup.build_dataset(job.data, tokenizer, train.reward)
     reward = load_reward(train.reward, "train.reward")
+    device = setup.trainer_device(job)
     if mode is not None and mode.mode == "server":  # the server holds the engine; weights go to it each step
-        import torch
-
         from trainer_hooks.client import RolloutClient
 
         engine: Any = RolloutClient(mode.url)
         if not engine.health():
             raise ValueError(f"rollout.url={mode.url!r}: no rollout server answers there (start rollout-serve)")
-        engine.device = torch.device(job.model.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     else:
         engine = setup.make_engine(job, checkpoint, tokenizer, train.torch_threads)
-    args = trainer_args(job, train, engine, report_to=setup.wandb_env(job.logger.wandb, out))
+    args = trainer_args(job, train, device, report_to=setup.wandb_env(job.logger.wandb, out))
     run_config = {"job": job.to_dict(), "train": dataclasses.asdict(train)}
     rollout = None
     if train.trainer == "grpo":
@@ -200,9 +198,8 @@ def train_grpo(job: JobConfig, train: TrainConfig, mode: RolloutMode | None = No
     steps = StepCallback(out, train.reward, rollout)
     trainer.add_callback(steps)
     trainer.remove_callback(PrinterCallback)  # its raw dict per step is replaced by StepLog's line
-    log.info("GRPO (%s) on %s: %d steps x %d prompts x %d samples, reward %s, engine on %s",
-             train.trainer, checkpoint.name, train.steps, job.data.num_prompts, job.sampling.n, train.reward,
-             engine.device)
+    log.info("GRPO (%s) on %s: %d steps x %d prompts x %d samples, reward %s, trainer on %s",
+             train.trainer, checkpoint.name, train.steps, job.data.num_prompts, job.sampling.n, train.reward, device)
     exit_code = 1
     try:
         trainer.train()
@@ -240,7 +237,7 @@ def check_passthrough(train: TrainConfig, cls: type) -> None:
                              f"{sorted(DERIVED)}")
 
 
-def trainer_args(job: JobConfig, train: TrainConfig, engine: Any, report_to: list[str]) -> Any:
+def trainer_args(job: JobConfig, train: TrainConfig, device: Any, report_to: list[str]) -> Any:
     """GRPOConfig (or AsyncGRPOConfig): one optimizer step per generation batch of num_prompts groups."""
     s = job.sampling
     extra = dict(train.grpo)
@@ -254,8 +251,8 @@ def trainer_args(job: JobConfig, train: TrainConfig, engine: Any, report_to: lis
         logging_steps=train.logging_steps, seed=train.seed, max_grad_norm=train.max_grad_norm,
         num_generations=s.n, max_completion_length=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
         top_k=s.top_k, min_p=s.min_p or None, per_device_train_batch_size=batch // accumulation,
-        gradient_accumulation_steps=accumulation, use_cpu=engine.device.type == "cpu",
-        bf16=engine.device.type == "cuda", report_to=report_to, save_strategy="no",
+        gradient_accumulation_steps=accumulation, use_cpu=device.type == "cpu",
+        bf16=device.type == "cuda", report_to=report_to, save_strategy="no",
         disable_tqdm=not job.logger.progress, run_name=job.logger.wandb.name,
     )
     kwargs = {"min_tokens": s.min_tokens, "stop": list(s.stop) or None, "ignore_eos": s.ignore_eos, "seed": s.seed}

@@ -96,7 +96,7 @@ def train_ppo(job: JobConfig, train: TrainConfig, on_push: Any = None) -> Path:
     dataset = setup.build_dataset(job.data, tokenizer, train.reward)
     reward = load_reward(train.reward, "train.reward")
     engine = setup.make_engine(job, checkpoint, tokenizer, train.torch_threads)
-    device = engine.device
+    device = setup.trainer_device(job)
     cuda = device.type == "cuda"
     policy = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).to(device)
     ref = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.bfloat16 if cuda else torch.float32)
