@@ -28,7 +28,7 @@ from typing import Any
 from rollout.outputs import RequestOutput
 from rollout.sampling_params import SamplingParams
 
-log = logging.getLogger("rollout.engine")
+log = logging.getLogger(__name__)
 
 CLOSED = "the engine loop is shut down"
 
