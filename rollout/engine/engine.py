@@ -84,6 +84,7 @@ class Engine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._inflight: PendingStep | None = None
+        self.failed_request_ids: frozenset[str] = frozenset()  # the requests running when the last step failed
         self._lock = threading.RLock()
         self._claimed: dict[str, RequestOutput | None] = {}  # requests a generate() call waits for
         self._unclaimed: list[RequestOutput] = []  # finished online requests, for the next step() caller
@@ -196,6 +197,7 @@ class Engine:
     def _rollback(self) -> None:
         """A step raised: its samples and any in flight are lost; recompute every running sequence."""
         self._inflight = None
+        self.failed_request_ids = frozenset(seq.request_id for seq in self.scheduler.running)
         self.scheduler.rollback()
         self.runner.reset()
         self.counters.failed += 1

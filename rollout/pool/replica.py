@@ -1,9 +1,8 @@
-"""One pool replica: an ``Engine`` in its own process (a Ray actor), driven by its own loop thread.
+"""One pool replica: an ``Engine`` in its own process (a Ray actor), stepped by its ``AsyncEngine`` thread.
 
 The actor is asynchronous: each ``run`` call (one request, i.e. one GRPO group with its ``n`` samples)
-adds the request to the engine and awaits its completion, so any number of groups can be in flight and
-the engine batches them continuously. The loop thread steps the engine while it has work and resolves
-each finished group's future on the actor's event loop.
+submits the request to the ``AsyncEngine`` and awaits its completion, so any number of groups can be in
+flight and the engine batches them continuously. ``sleep`` / ``wake_up`` run in that thread between steps.
 
 Weights arrive over the pool's ``TransferGroup`` through ``WeightReceiver`` and ``Engine.update_weights``,
 the same code the HTTP server uses (validate everything, then copy). A replacement replica catches up
@@ -14,7 +13,7 @@ A replica co-located with the trainer (``device_uuid``: the trainer's GPU) takes
 
 ``sleep`` / ``wake_up`` are ``Engine``'s, plus the receiver's staging buffer (a model's worth of bytes kept
 between broadcasts): it goes while the replica sleeps, and a push that arrives then frees it again after
-applying. A sleeping replica refuses ``run`` (its engine could not step, and the loop would die of it).
+applying. A sleeping replica refuses ``run`` (its engine could not step until woken).
 
 Nothing here imports Ray at module level (``ready`` asks it for the node id when present): ``pool.py``
 wraps ``Replica`` with ``ray.remote``, so the class is testable in process and imports without Ray.
@@ -24,14 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
 import torch
 
+from rollout.engine.async_engine import AsyncEngine
 from rollout.engine.validation import check_lengths, to_token_ids
 from rollout.engine.weight_handles import BucketHandle, cuda_index, gpu_uuid
 from rollout.engine.weight_transfer import BUCKET_BYTES, TensorSpec, WeightReceiver
@@ -53,13 +51,7 @@ class Replica:
                 engine_factory = replace(engine_factory, device=f"cuda:{gpu}")
         self.engine = engine_factory()
         self.receiver = WeightReceiver(self.engine.device, self.engine.weights.mapper.validate)
-        self._futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._wake = threading.Event()
-        self._stop = False
-        self._busy_s = 0.0  # wall time spent stepping with work present: tokens/s = generated / busy
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name=f"replica-{index}", daemon=True)
-        self._thread.start()
+        self.loop = AsyncEngine(self.engine, name=f"replica-{index}").start()
 
     # ---- info ------------------------------------------------------------------------------------
     def ready(self) -> dict[str, Any]:
@@ -73,8 +65,9 @@ class Replica:
 
     def stats(self) -> dict[str, Any]:
         s = asdict(self.engine.get_stats())
-        s["busy_s"] = self._busy_s
-        s["tokens_per_s"] = s["num_generated_tokens"] / self._busy_s if self._busy_s > 0 else 0.0
+        busy = self.loop.busy_s  # wall time spent stepping: tokens/s = generated / busy
+        s["busy_s"] = busy
+        s["tokens_per_s"] = s["num_generated_tokens"] / busy if busy > 0 else 0.0
         s["index"] = self.index
         s["sleeping"] = self.engine.is_sleeping
         s["weight_staging_bytes"] = self.receiver.staging_bytes
@@ -93,44 +86,10 @@ class Replica:
 
     async def run(self, request_id: str, prompt: Any, params: SamplingParams) -> RequestOutput:
         """One group, start to finish; a bad prompt raises ValueError/TypeError here, as in ``Engine``."""
-        if self._error is not None:
-            raise RuntimeError(f"replica {self.index}'s engine loop died: {self._error!r}")
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._futures[request_id] = (loop, fut)
-        try:
-            with self.engine._lock:  # no sleep() between the check and the add
-                if self.engine.is_sleeping:
-                    raise RuntimeError(f"replica {self.index} is asleep (sleep() was called); call wake_up() "
-                                       "before giving it work")
-                self.engine.add_request(prompt, params, request_id=request_id)
-        except BaseException:
-            self._futures.pop(request_id, None)
-            raise
-        self._wake.set()
-        return await fut
-
-    def _loop(self) -> None:
-        engine = self.engine
-        while not self._stop:
-            if not engine.has_unfinished_requests():
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            t0 = time.perf_counter()
-            try:
-                outs = engine.step()
-            except BaseException as e:  # noqa: BLE001 - every waiting group must hear of it
-                self._error = e
-                for loop, fut in list(self._futures.values()):
-                    loop.call_soon_threadsafe(_set_exception, fut, e)
-                self._futures.clear()
-                return
-            self._busy_s += time.perf_counter() - t0
-            for out in outs:
-                entry = self._futures.pop(out.request_id, None)
-                if entry is not None:
-                    entry[0].call_soon_threadsafe(_set_result, entry[1], out)
+        if self.engine.is_sleeping:
+            raise RuntimeError(f"replica {self.index} is asleep (sleep() was called); call wake_up() "
+                               "before giving it work")
+        return await asyncio.wrap_future(self.loop.submit(prompt, params, request_id))
 
     # ---- weights ---------------------------------------------------------------------------------
     async def join_weight_group(self, master_address: str, master_port: int, world_size: int, rank: int,
@@ -168,10 +127,10 @@ class Replica:
             released = self.engine.sleep(level)  # refuses while requests run: the staging buffer stays then
             return released + self._release_staging()
 
-        return await asyncio.to_thread(go)
+        return await asyncio.wrap_future(self.loop.call(go))
 
     async def wake_up(self) -> None:
-        await asyncio.to_thread(self.engine.wake_up)
+        await asyncio.wrap_future(self.loop.call(self.engine.wake_up))
 
     def _release_staging(self) -> int:
         released = self.receiver.release_staging()
@@ -201,8 +160,7 @@ class Replica:
             return version
 
     def shutdown(self) -> None:
-        self._stop = True
-        self._wake.set()
+        self.loop.close()
         self.receiver.close()
 
 
@@ -214,13 +172,3 @@ def _node_id() -> str | None:
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
     except ImportError:
         return None
-
-
-def _set_result(fut: asyncio.Future, value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)

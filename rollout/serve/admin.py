@@ -216,7 +216,6 @@ async def sleep(request: Request, level: int = Query(1)) -> dict[str, Any]:
 async def wake_up(request: Request) -> dict[str, bool]:
     st = state(request)
     await st.run(st.engine.wake_up)
-    st.loop.wake()
     return {"sleeping": False}
 
 

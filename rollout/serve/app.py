@@ -12,15 +12,15 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from rollout.engine.async_engine import AsyncEngine
 from rollout.serve import admin, errors, generate, metrics
 from rollout.serve.config import ServeConfig
-from rollout.serve.engine_loop import EngineLoop
 from rollout.serve.state import ServerState, state
 
 
 def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str | None = None) -> FastAPI:
     """The app; its lifespan starts the engine loop thread and stops it on shutdown."""
-    loop = EngineLoop(engine)
+    loop = AsyncEngine(engine)
     st = ServerState(engine, loop, model_name, config.sampling, config.server.max_n or engine.config.max_num_seqs,
                      model_path)
 
@@ -30,7 +30,7 @@ def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str
         try:
             yield
         finally:
-            loop.stop()
+            loop.close()
             st.receiver.close()
 
     app = FastAPI(title="rollout", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -41,10 +41,7 @@ def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str
     app.include_router(admin.router)
 
     @app.get("/health")
-    async def health(request: Request) -> Any:
-        failed = state(request).loop.error
-        if failed is not None:
-            return errors.error_response(503, f"the engine loop failed: {failed!r}")
+    async def health() -> Any:
         return JSONResponse({})
 
     @app.get("/v1/models")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from rollout.serve.engine_loop import Waiter
 from rollout.serve.errors import APIError
 from rollout.serve.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
 from rollout.serve.responses import Render, chat_body, completion_body
@@ -67,14 +68,18 @@ def _chat_prompt(st: ServerState, req: ChatCompletionRequest) -> list[int]:
 
 def _submit(st: ServerState, ids: list[list[int]], params: Any, stream: asyncio.Queue | None
             ) -> tuple[list[str], list[asyncio.Future]]:
+    """Queue every prompt; awaitable futures of their outputs, or (``stream``) their outputs fed to the queue."""
     aloop = asyncio.get_running_loop()
     rids, futs = [], []
     try:
         for i, prompt in enumerate(ids):
-            rid, fut = uuid.uuid4().hex, aloop.create_future()
-            st.loop.submit(prompt, params, rid, Waiter(aloop, fut, stream, tag=i))
+            rid = uuid.uuid4().hex
+            if stream is None:
+                futs.append(asyncio.wrap_future(st.loop.submit(prompt, params, rid), loop=aloop))
+            else:
+                partial, final = _feed(aloop, stream, i)
+                st.loop.submit(prompt, params, rid, on_partial=partial).add_done_callback(final)
             rids.append(rid)
-            futs.append(fut)
     except (TypeError, ValueError) as e:
         _abort(st, rids)
         raise APIError(400, str(e)) from None
@@ -82,6 +87,22 @@ def _submit(st: ServerState, ids: list[list[int]], params: Any, stream: asyncio.
         _abort(st, rids)
         raise APIError(503, str(e)) from None
     return rids, futs
+
+
+def _feed(aloop: asyncio.AbstractEventLoop, queue: asyncio.Queue, tag: int
+          ) -> tuple[Callable[[Any], None], Callable[[Future], None]]:
+    """Callbacks (run in the engine thread) that put prompt ``tag``'s (tag, output or error, final) on ``queue``."""
+    def post(item: tuple[int, Any, bool]) -> None:
+        try:
+            aloop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
+
+    def final(fut: Future) -> None:
+        if not fut.cancelled():  # cancelled: the client went away
+            post((tag, fut.exception() or fut.result(), True))
+
+    return lambda out: post((tag, out, False)), final
 
 
 def _abort(st: ServerState, rids: list[str]) -> None:

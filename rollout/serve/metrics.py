@@ -36,7 +36,7 @@ _METRICS: list[tuple[str, str, str, Any]] = [
     ("rollout_weight_staging_bytes", "gauge", "Bytes kept for receiving pushes (a model's worth; none while asleep).",
      lambda s, st, rate: st.receiver.staging_bytes),
     ("rollout_http_requests_in_flight", "gauge", "Generation requests waiting on the engine.",
-     lambda s, st, rate: st.loop.num_waiters()),
+     lambda s, st, rate: st.loop.num_pending()),
 ]
 
 

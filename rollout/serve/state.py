@@ -8,17 +8,17 @@ from typing import Any
 
 from fastapi import Request
 
+from rollout.engine.async_engine import AsyncEngine
 from rollout.engine.validation import check_lengths, to_token_ids
 from rollout.engine.weight_transfer import WeightReceiver
 from rollout.job.config import SamplingConfig
-from rollout.serve.engine_loop import EngineLoop
 from rollout.serve.errors import APIError
 
 
 @dataclass
 class ServerState:
     engine: Any
-    loop: EngineLoop
+    loop: AsyncEngine
     model_name: str
     defaults: SamplingConfig
     max_n: int

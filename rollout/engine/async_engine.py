@@ -1,0 +1,274 @@
+"""One thread that steps an ``Engine``; any other thread submits requests, aborts them, or runs a call between steps.
+
+``submit`` and ``abort`` only append to a queue, which the thread drains between steps into
+``Engine.add_request`` / ``abort``, so a caller never waits for the engine's lock while a step runs. Each
+request gets a ``concurrent.futures.Future`` (asyncio callers await ``asyncio.wrap_future`` of it) that the
+thread resolves with the finished ``RequestOutput``; an ``on_partial`` callback (streaming) gets the
+request's output so far after every step that landed new tokens. Everything else that must happen at a
+step boundary (weight updates, pause, sleep, stats) runs in this thread through ``call``. The HTTP server
+and each pool replica run one, so a caller never blocks a step and a step never waits on a caller.
+
+A step that raises is rolled back by the engine. The requests it held (``Engine.failed_request_ids``)
+fail with its error and are aborted, so a request that breaks every step it is in cannot wedge the loop;
+the loop serves everything else on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout.outputs import RequestOutput
+from rollout.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+CLOSED = "the engine loop is shut down"
+
+
+@dataclass(slots=True)
+class _Waiter:
+    """One submitted request: its future, and for streams the callback and what it was last given."""
+
+    future: Future
+    on_partial: Callable[[RequestOutput], None] | None = None
+    sent_tokens: int = -1  # landed tokens last passed to ``on_partial`` (summed over the request's samples)
+
+
+@dataclass(slots=True)
+class TokenRate:
+    """Generated tokens per second over a sliding window of (time, total) samples."""
+
+    window_s: float = 10.0
+    samples: deque = field(default_factory=deque)
+
+    def add(self, now: float, total: Callable[[], int]) -> None:
+        if self.samples and now - self.samples[-1][0] < 0.25:
+            return
+        self.samples.append((now, total()))
+        while len(self.samples) > 2 and now - self.samples[0][0] > self.window_s:
+            self.samples.popleft()
+
+    def rate(self, now: float, total: int) -> float:
+        if not self.samples:
+            return 0.0
+        t0, n0 = self.samples[0]
+        return (total - n0) / (now - t0) if now - t0 > 1e-3 else 0.0
+
+
+class AsyncEngine:
+    def __init__(self, engine: Any, name: str = "rollout-engine-loop") -> None:
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._incoming: deque[tuple[Any, SamplingParams | None, str]] = deque()  # (prompt, params, id) to add
+        self._aborts: deque[str] = deque()
+        self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._waiters: dict[str, _Waiter] = {}
+        self._paused = False
+        self._stopping = False
+        self.busy_s = 0.0  # wall time spent in steps: tokens/s = generated / busy_s
+        self.rate = TokenRate()
+        self._cuda_index = _cuda_index(engine.device)  # resolved here, in the thread that built the engine
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    # ---- any thread --------------------------------------------------------------------------------
+    def start(self) -> AsyncEngine:
+        self._thread.start()
+        return self
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop after the step under way; requests and calls still pending fail with RuntimeError."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is threading.current_thread():
+            return  # called inside ``call``: the thread fails what is pending as it exits
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if not self._thread.is_alive():  # never started, or done: nothing else will fail them
+            self._fail_pending()
+
+    def submit(self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None,
+               on_partial: Callable[[RequestOutput], None] | None = None) -> Future:
+        """Queue one request; its future gets the finished output, or the error that refused or failed it.
+
+        ``on_partial`` is called in the loop thread with the output so far after each step that landed
+        new tokens. Cancelling the future aborts the request.
+        """
+        rid = uuid.uuid4().hex if request_id is None else request_id
+        fut: Future = Future()
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError(CLOSED)
+            if rid in self._waiters:
+                raise ValueError(f"request_id {rid!r} is already in use")
+            self._waiters[rid] = _Waiter(fut, on_partial)
+            self._incoming.append((prompt, params, rid))
+            self._cv.notify_all()
+        fut.add_done_callback(lambda f: self.abort(rid) if f.cancelled() else None)
+        return fut
+
+    def abort(self, request_id: str) -> None:
+        """End a pending request now (its future is cancelled); unknown or finished ids are ignored."""
+        with self._cv:
+            waiter = self._waiters.pop(request_id, None)
+            if waiter is None:
+                return
+            self._aborts.append(request_id)
+            self._cv.notify_all()
+        waiter.future.cancel()
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` in the loop thread at the next step boundary (also while paused or asleep)."""
+        fut: Future = Future()
+        with self._cv:
+            if self._stopping:
+                fut.set_exception(RuntimeError(CLOSED))
+                return fut
+            self._commands.append((fn, fut))
+            self._cv.notify_all()
+        return fut
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def num_pending(self) -> int:
+        return len(self._waiters)
+
+    # ---- the loop thread only (inside ``call``) -----------------------------------------------------
+    def set_paused(self, paused: bool) -> None:
+        """Stop or restart stepping; called inside ``call``, so a pause lands at a step boundary."""
+        self._paused = paused
+
+    def abort_all(self) -> int:
+        """Abort every pending request; their futures get ``finish_reason="abort"`` outputs."""
+        with self._cv:
+            ids = list(self._waiters)
+        for rid in ids:
+            self.engine.abort(rid)
+        self._dispatch(self.engine.step() if not self.engine.is_sleeping else [])
+        return len(ids)
+
+    # ---- the thread ---------------------------------------------------------------------------------
+    def _runnable(self) -> bool:
+        return not self._paused and not self.engine.is_sleeping and self.engine.has_unfinished_requests()
+
+    def _run(self) -> None:
+        if self._cuda_index is not None:
+            import torch
+
+            torch.cuda.set_device(self._cuda_index)  # the current device is per thread; kernels launch on it
+        while True:
+            with self._cv:
+                while not (self._stopping or self._commands or self._incoming or self._aborts or self._runnable()):
+                    self._cv.wait(timeout=0.5)
+                if self._stopping:
+                    break
+                incoming, self._incoming = self._incoming, deque()
+                aborts, self._aborts = self._aborts, deque()
+                commands, self._commands = self._commands, deque()
+            for rid in aborts:
+                self.engine.abort(rid)
+            self._add(incoming)
+            for fn, fut in commands:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as e:  # noqa: BLE001 - handed to the caller
+                        fut.set_exception(e)
+            if self._runnable():
+                self._step()
+        self._fail_pending()
+
+    def _add(self, incoming: deque[tuple[Any, SamplingParams | None, str]]) -> None:
+        for prompt, params, rid in incoming:
+            if rid not in self._waiters:
+                continue  # aborted before it was added
+            try:
+                self.engine.add_request(prompt, params, rid)
+            except Exception as e:  # noqa: BLE001 - the request's own fault: handed to its future
+                self._fail([rid], e)
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            outs = self.engine.step()
+        except BaseException as e:  # noqa: BLE001 - a bug or a device fault: fail that step's requests
+            log.exception("engine step failed; its requests fail, the others go on")
+            blamed = self.engine.failed_request_ids
+            with self._cv:  # a failure that held none of them blames all, so it cannot repeat forever
+                ids = [r for r in self._waiters if r in blamed] if blamed else list(self._waiters)
+            for rid in ids:
+                self.engine.abort(rid)
+            self._fail(ids, e if isinstance(e, Exception) else RuntimeError(f"engine step failed: {e!r}"))
+            return
+        finally:
+            self.busy_s += time.perf_counter() - t0
+        self._dispatch(outs)
+
+    def _dispatch(self, outs: list[RequestOutput]) -> None:
+        with self._cv:
+            finished = [(self._waiters.pop(o.request_id, None), o) for o in outs]
+            streams = [(rid, w) for rid, w in self._waiters.items() if w.on_partial is not None]
+        for waiter, out in finished:
+            if waiter is not None:
+                _resolve(waiter.future, out, None)
+        for rid, waiter in streams:
+            part = self.engine.partial_output(rid)
+            if part is None:
+                continue
+            landed = sum(len(c.token_ids) for c in part.outputs)
+            if landed != waiter.sent_tokens:
+                waiter.sent_tokens = landed
+                try:
+                    waiter.on_partial(part)  # type: ignore[misc]
+                except Exception:  # noqa: BLE001 - a listener's bug must not stop the loop
+                    log.exception("on_partial failed for request %s", rid)
+        self.rate.add(time.monotonic(), lambda: self.engine.get_stats().num_generated_tokens)
+
+    def _fail(self, ids: list[str], exc: BaseException) -> None:
+        with self._cv:
+            waiters = [w for w in (self._waiters.pop(r, None) for r in ids) if w is not None]
+        for w in waiters:
+            _resolve(w.future, None, exc)
+
+    def _fail_pending(self) -> None:
+        """Closing: every pending request is aborted in the engine and its future fails, as do the calls."""
+        with self._cv:
+            ids = list(self._waiters)
+            commands, self._commands = self._commands, deque()
+            self._incoming.clear()
+        for rid in ids:
+            self.engine.abort(rid)
+        self._fail(ids, RuntimeError(CLOSED))
+        for _, fut in commands:
+            _resolve(fut, None, RuntimeError(CLOSED))
+
+
+def _resolve(fut: Future, value: Any, exc: BaseException | None) -> None:
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
+    except InvalidStateError:  # cancelled by its caller meanwhile
+        pass
+
+
+def _cuda_index(device: Any) -> int | None:
+    """The CUDA device index an engine on ``device`` runs on (``cuda`` alone means the current one)."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    if device.index is not None:
+        return device.index
+    import torch
+
+    return torch.cuda.current_device()
