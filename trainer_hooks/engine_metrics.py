@@ -91,7 +91,7 @@ def engine_run_config(engine: Any) -> dict[str, Any]:
     config.update(
         dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device),
         max_model_len=int(engine.max_model_len), num_blocks=int(engine.num_blocks),
-        async_mode=bool(engine.async_mode), attention_backend_resolved=getattr(engine.attn_backend, "name", None),
+        async_mode=bool(engine.async_mode), attention_backend_resolved=engine.attn.backend,
     )
     return config
 
