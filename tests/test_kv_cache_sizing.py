@@ -8,7 +8,7 @@ import torch
 
 from rollout.config import EngineConfig
 from rollout.engine.runners.kv_cache import KVCache, KVCacheTooLarge, fit_num_blocks, resolve_kv_dtype
-from rollout.layers.backends import AttentionSpec
+from rollout.layers.backends import AttentionSpec, resolve_attention
 
 CPU_ATTN = AttentionSpec("torch", 16, "auto")
 
@@ -57,7 +57,6 @@ def test_workspace_dummy_steps_are_valid_batches(kv_dtype):
     on the CPU's torch backend too: shapes, block tables and the fp8 layout all line up."""
     from rollout.engine.loading import build_model
     from rollout.engine.runners.memory_profile import dummy_step, mixed_q_lens
-    from rollout.layers.backends import make_attention_backend
     from tests.tiny_models import make_tiny_hf_model
 
     hf = make_tiny_hf_model("qwen2")
@@ -65,7 +64,7 @@ def test_workspace_dummy_steps_are_valid_batches(kv_dtype):
     config = EngineConfig(max_num_seqs=6, max_num_batched_tokens=40, block_size=8, kv_cache_dtype=kv_dtype)
     kv = KVCache(model, EngineConfig(num_blocks=1, block_size=8, kv_cache_dtype=kv_dtype), torch.device("cpu"),
                  torch.float32, 64, CPU_ATTN)
-    backend = make_attention_backend("auto", torch.device("cpu"), 8, kv_dtype)
+    backend = resolve_attention("auto", torch.device("cpu"), 8, kv_dtype).build()
     assert mixed_q_lens(config, 16) == [16, 16, 5, 1, 1, 1]  # 40 tokens, none past max_model_len
     for q_lens in ([1] * 6, mixed_q_lens(config, 16)):
         with torch.inference_mode():  # as measure_step_workspace runs it

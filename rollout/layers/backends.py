@@ -59,9 +59,3 @@ def resolve_attention(
         raise ValueError(f"attention_backend={name!r} needs a CUDA device, got {device.type!r}; "
                          "use 'torch' or 'auto' on the CPU")
     return AttentionSpec(name, block_size, kv_cache_dtype)
-
-
-def make_attention_backend(
-    name: str, device: torch.device, block_size: int = 16, kv_cache_dtype: str = "auto"
-) -> object:
-    return resolve_attention(name, device, block_size, kv_cache_dtype).build()

@@ -1,6 +1,6 @@
 """Runs a plan on the model: inputs -> forward -> sample. This one is the synchronous path that
 works on any device (the CPU in CI); the CUDA runner adds streams, IO slots and graphs on top. Both
-build inputs with ``inputs.build_host_inputs`` and run ``runner.forward_and_sample``.
+build inputs with ``inputs.build_host_inputs`` and run ``base.forward_and_sample``.
 """
 
 from __future__ import annotations
