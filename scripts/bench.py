@@ -30,7 +30,7 @@ import torch
 sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != os.path.dirname(os.path.realpath(__file__))]
 
 from rollout import Engine, SamplingParams  # noqa: E402
-from rollout.engine.kv_cache import KVCacheTooLarge  # noqa: E402
+from rollout.engine.runners.kv_cache import KVCacheTooLarge  # noqa: E402
 
 PRESETS = {  # public config shapes, random weights
     "llama3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -191,7 +191,7 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
         floor_ratio_wall=round(floor_s / wall, 4),
         peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
         copy_bw_tbps=round(bw, 3), device=torch.cuda.get_device_name(), commit=_commit(),
-        attention_backend=engine.attn_backend.name, cuda_graphs=runner.cuda_graphs,
+        attention_backend=engine.attn.backend, cuda_graphs=runner.cuda_graphs,
         kv_cache_dtype=args.kv_cache_dtype, kv_capacity_tokens=engine.kv.num_tokens,
         kv_workspace_gib=round(engine.kv.workspace_bytes / 2**30, 2),
         preemptions=engine.get_stats().num_preemptions, prefill_steps=len(pre),

@@ -135,12 +135,12 @@ def test_unknown_engine_option_and_unsupported_model(hf):
 
 
 def test_backend_choice():
-    from rollout.layers.backends import flash_attn_available, make_attention_backend
+    from rollout.layers.backends import flash_attn_available, resolve_attention
 
-    assert make_attention_backend("auto", torch.device("cpu")).name == "torch"
+    assert resolve_attention("auto", torch.device("cpu")).build().name == "torch"
     if not flash_attn_available():
         with pytest.raises(ValueError, match="flash-attn"):
-            make_attention_backend("flash_attn", torch.device("cpu"))
+            resolve_attention("flash_attn", torch.device("cpu"))
 
 
 @pytest.mark.parametrize("level", [1, 2])

@@ -14,9 +14,9 @@ import torch
 
 from rollout import SamplingParams
 from rollout.config import EngineConfig
-from rollout.engine.kv_cache import KVCache
+from rollout.engine.runners.kv_cache import KVCache
 from rollout.layers.attention import TorchAttentionBackend, reference_attention, write_kv
-from rollout.layers.backends import make_attention_backend
+from rollout.layers.backends import AttentionSpec, resolve_attention
 from rollout.layers.kv_quant import (
     FP8_MAX,
     dequantize_fp8,
@@ -74,7 +74,7 @@ def test_kv_cache_dtype_config():
         EngineConfig(kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="flash_attn"):
         EngineConfig(kv_cache_dtype="fp8", attention_backend="flash_attn")
-    assert make_attention_backend("auto", torch.device("cpu"), 16, "fp8").name == "torch"
+    assert resolve_attention("auto", torch.device("cpu"), 16, "fp8").backend == "torch"
 
 
 def test_capacity_at_real_head_dim_is_at_least_1_9x_bf16():
@@ -82,7 +82,7 @@ def test_capacity_at_real_head_dim_is_at_least_1_9x_bf16():
     caps = {}
     for kv in ("bfloat16", "fp8"):
         config = EngineConfig(kv_cache_dtype=kv, cpu_kv_cache_gib=0.02, max_num_seqs=64)
-        caps[kv] = KVCache(model, config, torch.device("cpu"), torch.float32, 32768)
+        caps[kv] = KVCache(model, config, torch.device("cpu"), torch.float32, 32768, AttentionSpec("torch", 16, kv))
     assert caps["fp8"].token_bytes == 28 * 2 * 2 * 130
     assert caps["fp8"].num_tokens >= 1.9 * caps["bfloat16"].num_tokens
     assert caps["fp8"].storage.dtype == torch.uint8

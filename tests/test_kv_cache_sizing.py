@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from rollout.config import EngineConfig
-from rollout.engine.kv_cache import KVCache, KVCacheTooLarge, fit_num_blocks, resolve_kv_dtype
+from rollout.engine.runners.kv_cache import KVCache, KVCacheTooLarge, fit_num_blocks, resolve_kv_dtype
+from rollout.layers.backends import AttentionSpec, resolve_attention
+
+CPU_ATTN = AttentionSpec("torch", 16, "auto")
 
 GIB = 2**30
 
@@ -33,9 +36,10 @@ def test_derived_num_blocks_subtracts_the_workspace_and_respects_utilization():
 
 def test_cpu_keeps_its_budget_and_explicit_count():
     model = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=16)
-    kv = KVCache(model, EngineConfig(cpu_kv_cache_gib=0.001, max_num_seqs=4), torch.device("cpu"), torch.float32, 64)
+    kv = KVCache(model, EngineConfig(cpu_kv_cache_gib=0.001, max_num_seqs=4), torch.device("cpu"), torch.float32, 64,
+                 CPU_ATTN)
     assert kv.num_blocks == 4 * 4 + 1 and kv.workspace_bytes == 0  # enough for every sequence, within budget
-    kv = KVCache(model, EngineConfig(num_blocks=3), torch.device("cpu"), torch.float32, 64)
+    kv = KVCache(model, EngineConfig(num_blocks=3), torch.device("cpu"), torch.float32, 64, CPU_ATTN)
     assert kv.num_blocks == 3 and kv.num_tokens == 48 and kv.storage.shape == (2, 2, 3, 16, 2, 16)
 
 
@@ -52,16 +56,15 @@ def test_workspace_dummy_steps_are_valid_batches(kv_dtype):
     """The steps the engine measures on CUDA (largest decode, largest mixed step, heaviest sampler) run
     on the CPU's torch backend too: shapes, block tables and the fp8 layout all line up."""
     from rollout.engine.loading import build_model
-    from rollout.engine.memory_profile import dummy_step, mixed_q_lens
-    from rollout.layers.backends import make_attention_backend
+    from rollout.engine.runners.memory_profile import dummy_step, mixed_q_lens
     from tests.tiny_models import make_tiny_hf_model
 
     hf = make_tiny_hf_model("qwen2")
     model, _ = build_model(hf, "float32", torch.device("cpu"))
     config = EngineConfig(max_num_seqs=6, max_num_batched_tokens=40, block_size=8, kv_cache_dtype=kv_dtype)
     kv = KVCache(model, EngineConfig(num_blocks=1, block_size=8, kv_cache_dtype=kv_dtype), torch.device("cpu"),
-                 torch.float32, 64)
-    backend = make_attention_backend("auto", torch.device("cpu"), 8, kv_dtype)
+                 torch.float32, 64, CPU_ATTN)
+    backend = resolve_attention("auto", torch.device("cpu"), 8, kv_dtype).build()
     assert mixed_q_lens(config, 16) == [16, 16, 5, 1, 1, 1]  # 40 tokens, none past max_model_len
     for q_lens in ([1] * 6, mixed_q_lens(config, 16)):
         with torch.inference_mode():  # as measure_step_workspace runs it

@@ -4,7 +4,8 @@ Each family's tiny model (Qwen2 also with one KV head, replicated on both ranks)
 sampling with n > 1, top-k/top-p filtering, min_tokens (EOS suppressed) and every logprob mode; the
 tokens must be identical and the logprobs within 1e-5. Then, on one TP engine: update_weights with
 full tensors (sharded on arrival) and its all-or-nothing refusals, sleep / wake_up, loading from a
-checkpoint directory (each rank reads its own shard), and a worker killed mid-run.
+checkpoint directory (each rank reads its own shard), a worker killed mid-run, and fp8 KV (every rank
+builds the attention backend rank 0 decided).
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import torch
 
 from rollout import Engine, SamplingParams
 from rollout.config import EngineConfig
-from rollout.engine.tp_runner import start_tensor_parallel
+from rollout.engine.tp.runner import start_tensor_parallel
+from rollout.engine.tp.workers import TPWorkers
+from rollout.layers import backends
+from rollout.layers.backends import AttentionSpec, resolve_attention
 from tests.engine_helpers import random_prompts
 from tests.tiny_models import make_tiny_hf_model, save_tiny_checkpoint
 from tests.tp_helpers import CASES, TOL
@@ -113,6 +117,24 @@ def test_a_failed_rank0_step_stops_the_engine(models, monkeypatch):
     with pytest.raises(RuntimeError, match="engine stopped: rank 0's step raised MemoryError"):
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     assert not any(p.is_alive() for p in engine.workers.procs)
+
+
+def test_every_rank_gets_the_attention_backend_the_engine_decided(models, monkeypatch):
+    """The engine decides the backend once, KV dtype included, and hands that spec to every rank: a rank
+    deciding "auto" again without the KV dtype would pick flash-attn beside rank 0's Triton under fp8."""
+    monkeypatch.setattr(backends, "flash_attn_available", lambda: True)
+    cuda = torch.device("cuda")
+    assert resolve_attention("auto", cuda, 256, "fp8") == AttentionSpec("triton", 256, "fp8")
+    assert resolve_attention("auto", cuda, 256).backend == "flash_attn"
+    sent = []
+    call = TPWorkers.call
+    monkeypatch.setattr(TPWorkers, "call", lambda self, *m: sent.append(m) or call(self, *m))
+    old, _ = models
+    engine = make(old, tp=2, kv_cache_dtype="fp8")
+    assert engine.attn == AttentionSpec("torch", 8, "fp8")
+    assert [m[2] for m in sent if m[0] == "init_kv"] == [engine.attn]
+    vocab = old.config.vocab_size
+    assert_same(run(engine, vocab), run(make(old, kv_cache_dtype="fp8"), vocab))
 
 
 def test_sizes_and_gpu_count_are_checked_before_any_worker_starts(models, monkeypatch):

@@ -17,6 +17,7 @@ import torch
 
 from rollout.distributed import TPGroup
 from rollout.layers.attention import TorchAttentionBackend
+from rollout.layers.backends import AttentionSpec
 from rollout.layers.parallel import check_tp_shapes
 from rollout.layers.parallel_sampler import sample_vocab_parallel
 from rollout.layers.sampler import SamplingTensors
@@ -155,8 +156,8 @@ def test_sizes_that_do_not_divide_are_named():
 def test_a_rank_measures_its_step_memory_alone(monkeypatch):
     """The KV sizing runs dummy steps on each rank by itself (rank 0 in the engine, a worker as it builds its
     cache): their collectives must stay local, or the rank waits in NCCL for peers that never join."""
-    from rollout.engine import memory_profile
-    from rollout.engine.memory_profile import dummy_step, local_collectives
+    from rollout.engine.runners import memory_profile
+    from rollout.engine.runners.memory_profile import dummy_step, local_collectives
 
     hf = make_tiny_hf_model("qwen2")
     model = get_model_class(hf.config)(hf.config, _fake_rank(0))  # no peer will ever join a collective
@@ -175,5 +176,6 @@ def test_a_rank_measures_its_step_memory_alone(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     config = SimpleNamespace(attention_backend="torch", block_size=BLOCK_SIZE, kv_cache_dtype="auto",
                              cuda_graphs=False, max_num_seqs=2, max_num_batched_tokens=8)
-    memory_profile.measure_step_workspace(model, config, torch.device("cpu"), 16, caches)
+    attn = AttentionSpec("torch", BLOCK_SIZE, "auto")
+    memory_profile.measure_step_workspace(model, config, attn, torch.device("cpu"), 16, caches)
     assert seen and not any(seen)

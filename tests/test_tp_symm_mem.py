@@ -14,7 +14,7 @@ from rollout.config import EngineConfig
 from rollout.distributed import TPGroup
 from rollout.distributed import symm_mem as sm
 from rollout.distributed.symm_mem import SymmMemAllReduce, SymmMemSpec, fits_symm_mem, symm_mem_spec
-from rollout.engine import tp_runner
+from rollout.engine.tp import runner as tp_runner
 from tests.tiny_models import make_tiny_hf_model
 
 BF16, F32, F16 = torch.bfloat16, torch.float32, torch.float16

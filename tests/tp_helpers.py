@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from rollout.distributed import TPGroup
-from rollout.engine.tp_workers import worker_context
+from rollout.engine.tp.workers import worker_context
 
 TOL = 1e-5  # float32 on the CPU: two ranks' numbers against one process's
 # case -> (tiny model family, config overrides): every family; Llama with all biases; Qwen2 also with a

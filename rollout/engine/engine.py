@@ -24,16 +24,15 @@ from rollout.api import BackendLimits
 from rollout.config import EngineConfig
 from rollout.engine import loading
 from rollout.engine.block_manager import BlockManager
-from rollout.engine.cuda_runner import CudaModelRunner
-from rollout.engine.kv_cache import KVCache
-from rollout.engine.model_runner import ModelRunner
-from rollout.engine.runner import PendingStep, Runner
+from rollout.engine.runners import build_runner
+from rollout.engine.runners.base import PendingStep, Runner
+from rollout.engine.runners.kv_cache import KVCache
 from rollout.engine.scheduler import Scheduler, SchedulerLimits
 from rollout.engine.sequence import Request, Sequence
 from rollout.engine.stats import EngineStats, StepCounters
 from rollout.engine.stop import truncate_at_stop
-from rollout.engine.tp_runner import TPRunner, TPWeightSync, start_tensor_parallel
-from rollout.engine.tp_workers import TPWorkers
+from rollout.engine.tp.runner import TPRunner, TPWeightSync, start_tensor_parallel
+from rollout.engine.tp.workers import TPWorkers
 from rollout.engine.validation import (
     check_lengths,
     check_request_id,
@@ -42,7 +41,7 @@ from rollout.engine.validation import (
     to_token_ids,
 )
 from rollout.engine.weight_sync import WeightSync
-from rollout.layers.backends import make_attention_backend
+from rollout.layers.backends import resolve_attention
 from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.sampling_params import SamplingParams
 
@@ -62,9 +61,9 @@ class Engine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
                              f"{limit}; allowed: 1 .. {limit}")
         self.max_model_len = config.max_model_len or limit
-        self.attn_backend = make_attention_backend(config.attention_backend, device, config.block_size,
-                                                   config.kv_cache_dtype)
-        self.kv = KVCache(model, config, device, self.dtype, self.max_model_len)
+        # decided once here; every tensor-parallel rank builds this same backend
+        self.attn = resolve_attention(config.attention_backend, device, config.block_size, config.kv_cache_dtype)
+        self.kv = KVCache(model, config, device, self.dtype, self.max_model_len, self.attn)
         self.num_blocks = self.kv.num_blocks
         self.async_mode = (device.type == "cuda") if config.async_mode is None else config.async_mode
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
@@ -90,10 +89,10 @@ class Engine:
         self._unclaimed: list[RequestOutput] = []  # finished online requests, for the next step() caller
 
     def _make_runner(self) -> Runner:
-        runner = build_runner(self.model, self.kv, self.config, self.attn_backend, self.device, self.max_model_len)
+        runner = build_runner(self.model, self.kv, self.config, self.attn, self.device, self.max_model_len)
         if self.workers is None:
             return runner
-        return TPRunner(runner, self.workers, self.config, self.max_model_len, self.num_blocks)
+        return TPRunner(runner, self.workers, self.config, self.attn, self.max_model_len, self.num_blocks)
 
     @classmethod
     def from_pretrained(cls, model: object, dtype: str | torch.dtype = "auto", device: str | None = None,
@@ -361,7 +360,7 @@ class Engine:
     def describe(self) -> dict[str, object]:
         return {**dataclasses.asdict(self.config), "dtype": str(self.dtype).removeprefix("torch."),
                 "device": str(self.device), "max_model_len": self.max_model_len, "num_blocks": self.num_blocks,
-                "async_mode": self.async_mode, "attention_backend_resolved": self.attn_backend.name}
+                "async_mode": self.async_mode, "attention_backend_resolved": self.attn.backend}
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks (if any); the engine is not used afterwards."""
@@ -382,17 +381,3 @@ class Engine:
                                s.num_swapped_out_blocks, s.num_swapped_out_blocks * self.kv.block_bytes,
                                s.num_swap_ins)
 
-
-def build_runner(model: torch.nn.Module, kv: KVCache, c: EngineConfig, attn_backend: object, device: torch.device,
-                 max_model_len: int) -> Runner:
-    """The runner for one rank's model (every tensor-parallel worker builds its own with this too)."""
-    if device.type != "cuda":
-        return ModelRunner(model, kv, c.block_size, attn_backend, device)
-    graphs = c.cuda_graphs if c.cuda_graphs is not None else attn_backend.name != "torch"  # type: ignore[attr-defined]
-    if graphs and attn_backend.name == "torch":  # type: ignore[attr-defined]
-        raise ValueError("cuda_graphs=True needs a graph-capturable attention backend ('triton'), not 'torch'")
-    return CudaModelRunner(
-        model, kv, c.block_size, attn_backend, device,
-        max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-        max_model_len=max_model_len, cuda_graphs=graphs, max_graph_batch_size=c.max_graph_batch_size,
-    )

@@ -23,12 +23,13 @@ No host syncs and no data-dependent shapes: capturable in CUDA graphs.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
 from rollout.kernels.sampling_math import log32, log_exp_noise, ofloat, okey, row_hash
-from rollout.layers.sampler import SamplingTensors
 
 
 @triton.jit
@@ -271,13 +272,14 @@ def _sample_kernel(
 
 def fused_sample(
     logits: torch.Tensor,
-    st: SamplingTensors,
+    st: Any,
     block: int = 2048,
     search_block: int = 512,
     num_thresholds: int = 16,
     num_warps: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, V] -> (token ids [N] int64, logprobs [N] float32), as ``sample_torch``.
+    """logits [N, V] -> (token ids [N] int64, logprobs [N] float32), as ``sample_torch``; ``st`` is a
+    ``rollout.layers.sampler.SamplingTensors`` (not imported: that module imports this one).
 
     ``block``: logits per loop step of a row's program; ``search_block`` / ``num_thresholds``: the
     processed-logprob threshold search's step and thresholds per pass (bench/sampler_bench.py --sweep)."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rollout import Engine, SamplingParams
-from rollout.engine.kv_cache import KVCacheTooLarge
+from rollout.engine.runners.kv_cache import KVCacheTooLarge
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

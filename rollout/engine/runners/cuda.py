@@ -20,13 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout.engine.inputs import HostInputs, build_host_inputs
-from rollout.engine.io_slot import IOSlot, SlotShape
-from rollout.engine.kv_cache import KVCache
 from rollout.engine.plan import BatchPlan, SampleResult
-from rollout.engine.runner import copy_blocks, forward_and_sample, make_metadata, make_sampling
-
-GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+from rollout.engine.runners.base import copy_blocks, forward_and_sample, make_metadata, make_sampling
+from rollout.engine.runners.graphs import graph_sizes
+from rollout.engine.runners.inputs import HostInputs, build_host_inputs
+from rollout.engine.runners.io_slot import IOSlot, SlotShape
+from rollout.engine.runners.kv_cache import KVCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +66,7 @@ class CudaPendingStep:
         return SampleResult(self.plan.step_id, [toks[r] for r in self.rows], [lps[r] for r in self.rows])
 
 
-class CudaModelRunner:
+class CudaRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCache, block_size: int,
                  attn_backend: object, device: torch.device, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, cuda_graphs: bool,
@@ -83,7 +82,7 @@ class CudaModelRunner:
         self.compute = torch.cuda.Stream(device)
         self.d2h = torch.cuda.Stream(device)
         self.cuda_graphs = cuda_graphs
-        self.graph_sizes = [s for s in GRAPH_SIZES if s <= min(max_graph_batch_size, max_num_seqs)]
+        self.graph_sizes = graph_sizes(max_graph_batch_size, max_num_seqs)
         self.graphs: dict[tuple[int, int, tuple[bool, bool, bool]], torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
         self._next_slot = 0

@@ -23,8 +23,10 @@ from rollout.distributed.group import TPGroup
 from rollout.distributed.symm_mem import SymmMemSpec, check_symm_mem_start, symm_mem_spec
 from rollout.engine import loading
 from rollout.engine.plan import BatchPlan, SampleResult
-from rollout.engine.tp_workers import TPWorkers, WorkerSpec
+from rollout.engine.tp.rank import WorkerSpec
+from rollout.engine.tp.workers import TPWorkers
 from rollout.engine.weight_sync import WeightSync, _as_source
+from rollout.layers.backends import AttentionSpec
 from rollout.layers.parallel import check_tp_shapes
 from rollout.models.loader import missing_weights
 from rollout.models.weights import is_ignored
@@ -136,10 +138,10 @@ class TPPending:
 class TPRunner:
     """The ``Runner`` protocol over every rank: rank 0's own runner plus the workers'."""
 
-    def __init__(self, inner: Any, workers: TPWorkers, config: EngineConfig, max_model_len: int,
-                 num_blocks: int) -> None:
+    def __init__(self, inner: Any, workers: TPWorkers, config: EngineConfig, attn: AttentionSpec,
+                 max_model_len: int, num_blocks: int) -> None:
         self.inner, self.workers = inner, workers
-        workers.call("init_kv", config, max_model_len, num_blocks)
+        workers.call("init_kv", config, attn, max_model_len, num_blocks)
 
     def execute(self, plan: BatchPlan) -> TPPending:
         self.workers.send("execute", plan)

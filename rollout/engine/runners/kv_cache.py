@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from rollout.config import EngineConfig
+from rollout.layers.backends import AttentionSpec
 from rollout.layers.kv_quant import FP8_DTYPE, fp8_block_bytes
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "fp8": FP8_DTYPE}
@@ -74,8 +75,8 @@ class KVCache:
     this object and read ``layers`` when they run, so release/allocate need no hand-back."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int) -> None:
-        self.model, self.config, self.device = model, config, device
+                 dtype: torch.dtype, max_model_len: int, attn: AttentionSpec) -> None:
+        self.model, self.config, self.device, self.attn = model, config, device, attn
         self.dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
         self.workspace_bytes = 0  # measured on CUDA: what a step needs beside the cache
         self.storage: torch.Tensor | None = None
@@ -132,10 +133,10 @@ class KVCache:
         enough = c.max_num_seqs * -(-max_model_len // c.block_size) + 1
         if self.device.type != "cuda":
             return c.num_blocks or max(1, min(enough, int(c.cpu_kv_cache_gib * 2**30) // self.block_bytes))
-        from rollout.engine.memory_profile import measure_step_workspace
+        from rollout.engine.runners.memory_profile import measure_step_workspace
 
         dummy = list(self._new_storage(1).unbind(0))
-        self.workspace_bytes = measure_step_workspace(self.model, c, self.device, max_model_len, dummy)
+        self.workspace_bytes = measure_step_workspace(self.model, c, self.attn, self.device, max_model_len, dummy)
         del dummy
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)

@@ -23,13 +23,33 @@ import torch.distributed as dist
 
 from rollout.distributed.group import TPGroup
 from rollout.engine import loading
-from rollout.engine.engine import build_runner
-from rollout.engine.kv_cache import KVCache
-from rollout.engine.tp_workers import WorkerSpec, worker_device
-from rollout.layers.backends import make_attention_backend
+from rollout.engine.runners import build_runner
+from rollout.engine.runners.kv_cache import KVCache
+from rollout.layers.backends import AttentionSpec
 from rollout.models.weights import WeightMapper
 
 STORE_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What every worker needs to build its shard (pickled to it at spawn)."""
+
+    hf_config: Any
+    checkpoint: str | None  # each rank reads its shard from here; None: rank 0 broadcasts the weights
+    dtype: torch.dtype
+    device: str  # rank 0's device: "cpu", or "cuda:k" (rank r then runs on cuda:k+r)
+    world_size: int
+    store_port: int  # rank 0's TCPStore, for the process group's rendezvous
+    num_threads: int  # torch CPU threads per worker
+    symm_mem: Any = None  # a SymmMemSpec: tp_all_reduce="symm_mem"'s buffer; None: NCCL all-reduces only
+
+
+def worker_device(rank0_device: str, rank: int) -> torch.device:
+    dev = torch.device(rank0_device)
+    if dev.type != "cuda":
+        return dev
+    return torch.device("cuda", (dev.index or 0) + rank)
 
 
 def worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
@@ -79,13 +99,13 @@ class Worker:
             _reply(conn, "ok", getattr(self, command)(*args))
 
     # ---- the loop ----------------------------------------------------------------------------
-    def init_kv(self, config: Any, max_model_len: int, num_blocks: int) -> None:
-        """The same cache geometry and runner as rank 0 (same block count, graph sizes, backend)."""
+    def init_kv(self, config: Any, attn: AttentionSpec, max_model_len: int, num_blocks: int) -> None:
+        """The same cache geometry and runner as rank 0 (same block count, graph sizes, and the attention
+        backend rank 0 decided: a rank does not decide "auto" again)."""
         config = dataclasses.replace(config, num_blocks=num_blocks)
         dtype = next(self.model.parameters()).dtype
-        backend = make_attention_backend(config.attention_backend, self.device, config.block_size)
-        self.kv = KVCache(self.model, config, self.device, dtype, max_model_len)
-        self.runner = build_runner(self.model, self.kv, config, backend, self.device, max_model_len)
+        self.kv = KVCache(self.model, config, self.device, dtype, max_model_len, attn)
+        self.runner = build_runner(self.model, self.kv, config, attn, self.device, max_model_len)
 
     def execute(self, plan: Any) -> None:
         pending = self.runner.execute(plan)

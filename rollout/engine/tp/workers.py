@@ -16,39 +16,17 @@ import pickle
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, NoReturn
 
 import torch
 import torch.multiprocessing as mp
 
-
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    """What every worker needs to build its shard (pickled to it at spawn)."""
-
-    hf_config: Any
-    checkpoint: str | None  # each rank reads its shard from here; None: rank 0 broadcasts the weights
-    dtype: torch.dtype
-    device: str  # rank 0's device: "cpu", or "cuda:k" (rank r then runs on cuda:k+r)
-    world_size: int
-    store_port: int  # rank 0's TCPStore, for the process group's rendezvous
-    num_threads: int  # torch CPU threads per worker
-    symm_mem: Any = None  # a SymmMemSpec: tp_all_reduce="symm_mem"'s buffer; None: NCCL all-reduces only
-
-
-def worker_device(rank0_device: str, rank: int) -> torch.device:
-    dev = torch.device(rank0_device)
-    if dev.type != "cuda":
-        return dev
-    return torch.device("cuda", (dev.index or 0) + rank)
+from rollout.engine.tp.rank import WorkerSpec, worker_main
 
 
 class TPWorkers:
     def __init__(self, spec: WorkerSpec) -> None:
-        from rollout.engine.tp_worker import worker_main
-
         ctx = worker_context(torch.device(spec.device).type)
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
@@ -161,7 +139,7 @@ def worker_context(device_type: str = "cpu") -> Any:
     if device_type == "cuda" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["rollout.engine.tp_worker"])
+    ctx.set_forkserver_preload(["rollout.engine.tp.rank"])
     return ctx
 
 

@@ -1,6 +1,6 @@
 """Runs a plan on the model: inputs -> forward -> sample. This one is the synchronous path that
 works on any device (the CPU in CI); the CUDA runner adds streams, IO slots and graphs on top. Both
-build inputs with ``inputs.build_host_inputs`` and run ``runner.forward_and_sample``.
+build inputs with ``inputs.build_host_inputs`` and run ``base.forward_and_sample``.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.engine.inputs import HostInputs, build_host_inputs
-from rollout.engine.kv_cache import KVCache
 from rollout.engine.plan import BatchPlan, SampleResult
-from rollout.engine.runner import copy_blocks, forward_and_sample, make_metadata, make_sampling
+from rollout.engine.runners.base import copy_blocks, forward_and_sample, make_metadata, make_sampling
+from rollout.engine.runners.inputs import HostInputs, build_host_inputs
+from rollout.engine.runners.kv_cache import KVCache
 from rollout.layers.sampler import SamplingTensors
 
 
@@ -26,7 +26,7 @@ class CpuPendingStep:
         return SampleResult(self.plan.step_id, self.tokens.tolist(), self.logprobs.tolist())
 
 
-class ModelRunner:
+class CpuRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCache, block_size: int, attn_backend: object,
                  device: torch.device) -> None:
         self.model, self.kv, self.block_size = model, kv, block_size

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 
 from rollout.config import EngineConfig
-from rollout.engine.runner import forward_and_sample
+from rollout.engine.runners.base import forward_and_sample
+from rollout.engine.runners.graphs import graph_sizes, use_cuda_graphs
 from rollout.layers.attention_metadata import AttentionMetadata
-from rollout.layers.backends import make_attention_backend
+from rollout.layers.backends import AttentionSpec
 from rollout.layers.sampler import MODE_POLICY, SamplingTensors
 
 MARGIN_FRACTION = 0.05  # allocator fragmentation, per-stream cuBLAS workspaces, IO slots
@@ -39,13 +40,6 @@ def local_collectives(model: torch.nn.Module) -> Any:
     """The model's tensor-parallel group in local mode (a no-op context for an unsharded model)."""
     tp = getattr(model, "tp", None)
     return tp.local() if tp is not None else contextlib.nullcontext()
-
-
-def _largest_graph_batch(config: EngineConfig) -> int:
-    from rollout.engine.cuda_runner import GRAPH_SIZES
-
-    cap = min(config.max_graph_batch_size, config.max_num_seqs)
-    return max((s for s in GRAPH_SIZES if s <= cap), default=0)
 
 
 def _metadata(q_lens: list[int], max_blocks: int, device: torch.device) -> AttentionMetadata:
@@ -128,12 +122,12 @@ def mixed_q_lens(config: EngineConfig, max_model_len: int) -> list[int]:
 
 
 @torch.inference_mode()
-def measure_step_workspace(model: torch.nn.Module, config: EngineConfig, device: torch.device,
-                           max_model_len: int, dummy_caches: list[torch.Tensor]) -> int:
+def measure_step_workspace(model: torch.nn.Module, config: EngineConfig, attn: AttentionSpec,
+                           device: torch.device, max_model_len: int, dummy_caches: list[torch.Tensor]) -> int:
     """Bytes to keep free beside the KV cache (margin included). ``dummy_caches``: one-block caches in
     the real layout, one per layer."""
-    backend = make_attention_backend(config.attention_backend, device, config.block_size, config.kv_cache_dtype)
-    graphs = config.cuda_graphs if config.cuda_graphs is not None else backend.name != "torch"
+    backend = attn.build()
+    graphs = use_cuda_graphs(config.cuda_graphs, attn.backend)
     max_blocks = -(-max_model_len // config.block_size)
     seqs = config.max_num_seqs
     # Each tensor-parallel rank sizes its own cache alone: its collectives must not wait for peers.
@@ -142,7 +136,7 @@ def measure_step_workspace(model: torch.nn.Module, config: EngineConfig, device:
             _step_peak(model, dummy_caches, backend, [1] * seqs, max_blocks, device),
             _step_peak(model, dummy_caches, backend, mixed_q_lens(config, max_model_len), max_blocks, device),
         )
-        graph_b = _largest_graph_batch(config) if graphs else 0
+        graph_b = max(graph_sizes(config.max_graph_batch_size, config.max_num_seqs), default=0) if graphs else 0
         pool = _step_peak(model, dummy_caches, backend, [1] * graph_b, max_blocks, device) if graph_b else 0
     torch.cuda.empty_cache()
     need = eager + pool

@@ -14,8 +14,8 @@ from typing import Protocol
 
 import torch
 
-from rollout.engine.inputs import HostInputs
 from rollout.engine.plan import BatchPlan, SampleResult
+from rollout.engine.runners.inputs import HostInputs
 from rollout.layers.attention_metadata import AttentionMetadata
 from rollout.layers.parallel_sampler import sample_vocab_parallel
 from rollout.layers.sampler import SamplingTensors
