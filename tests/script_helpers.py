@@ -15,7 +15,7 @@ def compose(config_name: str, *overrides: str) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(ROOT / "rollout" / "conf"), version_base="1.3"):
         return hydra_compose(config_name, overrides=list(overrides))
 
 

@@ -15,12 +15,12 @@ import torch
 from safetensors.torch import save_file
 
 from rollout.assets import materialize_default_model
+from rollout.job import main as script
 from rollout.job.trajectory_writer import read_trajectories
-from tests.script_helpers import ROOT, compose, load_script
+from tests.script_helpers import ROOT, compose
 
 SCRIPT = ROOT / "scripts" / "rollout.py"
 TINY = ["sampling.max_tokens=3", "logger.progress=false"]
-script = load_script("rollout")
 
 
 @pytest.fixture(scope="session")
