@@ -347,3 +347,16 @@ def test_wandb_gets_histograms_not_dicts(tmp_path: Path) -> None:
     logger.log_round({"round": 3, "staleness_hist": {"0": 2}, "dropped_groups": 1, "gpu_busy_frac": None},
                      {"staleness": [0, 0, 1], "completion_len": []})
     assert logged == [{"round": 3, "round/dropped_groups": 1, "round/staleness_hist": ("hist", [0, 0, 1])}]
+
+
+@pytest.mark.parametrize("inflight", [3, 5])
+def test_partial_mode_resume_repeats_the_uninterrupted_run(cache_dir: Path, tmp_path: Path, inflight: int) -> None:
+    """Stopped after round 2 and resumed to round 4, partial mode writes what an uninterrupted 4-round run
+    writes, row for row: the groups in flight at the stop are regenerated with their own seeds."""
+    args = ("rollout.mode=partial", f"rollout.max_inflight_groups={inflight}", "data.num_prompts=2", "sampling.n=2",
+            "rollout.rounds=4", "rollout.reward=null", "sampling.seed=7", "sampling.max_tokens=6")
+    full = run_composed(tmp_path / "full", cache_dir, *args)
+    stopped = tmp_path / "stopped"
+    run_crashing_in_round(2, stopped, cache_dir, *args)
+    run_composed(stopped, cache_dir, *args, "rollout.resume=true")
+    assert rows(stopped) == rows(full)
