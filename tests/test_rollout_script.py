@@ -360,3 +360,16 @@ def test_partial_mode_resume_repeats_the_uninterrupted_run(cache_dir: Path, tmp_
     run_crashing_in_round(2, stopped, cache_dir, *args)
     run_composed(stopped, cache_dir, *args, "rollout.resume=true")
     assert rows(stopped) == rows(full)
+
+
+@pytest.mark.parametrize("wandb", ["disabled", "offline"])
+def test_a_failing_first_round_leaves_output_dir_as_it_was(cache_dir: Path, tmp_path: Path, wandb: str) -> None:
+    """No config.json (nor W&B run) before the first round is written: the rerun starts, fresh or resumed."""
+    out = tmp_path / "o"
+    args = ("rollout.rounds=1", "data.num_prompts=2", f"logger.wandb.mode={wandb}")
+    run_crashing_in_round(0, out, cache_dir, *args)
+    assert not [p.name for p in out.iterdir() if not p.name.startswith(".")]
+    run_crashing_in_round(0, out, cache_dir, *args, "rollout.resume=true")
+    assert not [p.name for p in out.iterdir() if not p.name.startswith(".")]
+    run_composed(out, cache_dir, *args)
+    assert len(rows(out)) == 2 * 4 and (out / "config.json").is_file()

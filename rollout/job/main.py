@@ -17,6 +17,7 @@ Hydra's console and its rollout.log both get it.
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +67,8 @@ def _run_locked(job: JobConfig, writer: Any) -> Path:
     bandwidth = setup.copy_bandwidth(job)  # before the engine takes its memory
     engine = setup.load_engine(job, model_dir, tokenizer)
     dataset.check(setup.prompt_limits(engine), params, where=f"data.path={job.data.path or 'embedded'!r}")
+    new_wandb_dir = not (writer.dir / "wandb").exists()
     logger = WandbLogger(job.logger.wandb, writer.dir, job.to_dict())  # may refuse (online, no account)
-    writer.save_config(setup.config_record(job, start.job_seed))  # only now: a refused run leaves no trace
     run_dir = logger.run_dir
     actor = RolloutActor(
         engine,
@@ -88,14 +89,17 @@ def _run_locked(job: JobConfig, writer: Any) -> Path:
         state=start.state,
         copy_bandwidth=bandwidth,
     )
-    exit_code = 1
+    exit_code, wrote = 1, False
     threads = torch_threads(job.rollout.torch_threads)
     try:
-        for _ in range(start.round, job.rollout.rounds):
+        for r in range(start.round, job.rollout.rounds):
             if watcher is not None:
                 watcher.load_newest(actor)  # between rounds: the round's tokens carry its step
             result = actor.run_round()
+            if r == start.round:  # only now: a run refused or failing before its first round leaves no trace
+                writer.save_config(setup.config_record(job, start.job_seed))
             writer.write_round(result.round, result.trajectories, result.metrics, actor.state())
+            wrote = True
             lengths = [len(t.completion_ids) for t in result.trajectories]
             logger.log_round(result.metrics, {"completion_len": lengths, "staleness": result.staleness})
             log.info(_summary(result.metrics))
@@ -103,9 +107,21 @@ def _run_locked(job: JobConfig, writer: Any) -> Path:
     finally:
         torch_threads(threads)
         logger.finish(exit_code)
+        if start.round == 0 and not wrote:  # the first round failed: leave output_dir as it was
+            _forget_first_round(writer, (writer.dir / "wandb") if new_wandb_dir else run_dir)
     where = f" (wandb run: {run_dir})" if run_dir is not None else ""
     log.info("wrote %d trajectories to %s%s", writer.num_rows, writer.rounds_dir, where)
     return writer.dir
+
+
+def _forget_first_round(writer: Any, wandb_dir: Path | None) -> None:
+    """Remove what a run whose first round failed wrote (config.json, its W&B run or the wandb/ dir it
+    created), so a rerun starts fresh."""
+    from rollout.job.trajectory_writer import CONFIG
+
+    (writer.dir / CONFIG).unlink(missing_ok=True)
+    if wandb_dir is not None:
+        shutil.rmtree(wandb_dir, ignore_errors=True)
 
 
 def torch_threads(n: int | None) -> int:

@@ -117,7 +117,8 @@ class TrajectoryWriter:
                 lines[r] = kv[METRICS_KEY].decode()
             if r == rounds[-1]:
                 self.state = json.loads(kv[STATE_KEY]) if STATE_KEY in kv else None
-        self._write(self.dir / METRICS, lambda p: _atomic_write_text(p, "".join(lines[r] for r in sorted(lines))))
+        if lines or (self.dir / METRICS).exists():
+            self._write(self.dir / METRICS, lambda p: _atomic_write_text(p, "".join(lines[r] for r in sorted(lines))))
         return done
 
     def _check_round_file(self, path: Path) -> pq.ParquetFile:
