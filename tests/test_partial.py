@@ -163,7 +163,8 @@ def test_drain_is_unchanged_by_partial_mode_bookkeeping() -> None:
     actor = RolloutActor(engine, ids_dataset(), SamplingParams(n=N, max_tokens=20), 3, seed=1)
     res = [actor.run_round() for _ in range(3)]
     assert [t.group_id for r in res for t in r.trajectories] == [g for g in range(9) for _ in range(N)]
-    assert not engine.requests and actor.state() == {"next_group": 9, "inflight_groups": [], "admitted": {}}
+    assert not engine.requests and actor.state() == {"next_group": 9, "inflight_groups": [], "admitted": {},
+                                              "policy_version": 0}
     assert all(r.metrics["carried_over_groups"] == 0 for r in res)
     with pytest.raises(ValueError, match="mode must be one of"):
         RolloutActor(engine, ids_dataset(), SamplingParams(), 1, mode="eager")

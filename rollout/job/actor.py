@@ -125,12 +125,14 @@ class RolloutActor:
 
     def state(self) -> dict[str, Any]:
         """What a resume needs: the next fresh position, every group started but not handed out and the round
-        that admitted each still running or finished (one waiting to be regenerated is admitted anew)."""
+        that admitted each still running or finished (one waiting to be regenerated is admitted anew), and the
+        policy version reached (a resume never goes below it)."""
         admitted = {g.group_id: g.round for g in [*self._running.values(), *self._ready]}
         admitted.update((g, self._admitted[g]) for g in self._regenerate if g in self._admitted)
         pending = sorted([*admitted, *(g for g in self._regenerate if g not in admitted)])
         return {"next_group": self._next_group, "inflight_groups": pending,
-                "admitted": {str(g): admitted[g] for g in sorted(admitted)}}
+                "admitted": {str(g): admitted[g] for g in sorted(admitted)},
+                "policy_version": self.engine.policy_version}
 
     def update_weights(
         self, named_tensors: Iterable[tuple[str, Any]] | dict[str, Any], version: int | None = None

@@ -60,7 +60,8 @@ def _run_locked(job: JobConfig, writer: Any) -> Path:
         log.info("nothing to do: %d of %d rounds already in %s", start.round, job.rollout.rounds, writer.dir)
         return writer.dir
     params = job.sampling.to_params()
-    watcher = SnapshotWatcher(job.rollout.weights_from) if job.rollout.weights_from is not None else None
+    floor = int((start.state or {}).get("policy_version", 0))  # the version the rounds written reached
+    watcher = SnapshotWatcher(job.rollout.weights_from, floor) if job.rollout.weights_from is not None else None
     model_dir = setup.model_dir(job)
     tokenizer = setup.load_tokenizer(job.model.tokenizer or model_dir, explicit=job.model.tokenizer is not None)
     dataset = load_prompt_dataset(job.data, tokenizer, require_answer=reward_fn is not None)
