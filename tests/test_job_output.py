@@ -110,6 +110,10 @@ def test_request_seeds_depend_on_job_round_and_group() -> None:
     assert len(seeds) == 24 and all(0 <= x < 2**63 for x in seeds)
     assert request_seed(5, 1, 2) == request_seed(5, 1, 2)  # a pure function: a resume gets the same
     assert json.loads(json.dumps(request_seed(5, 1, 2))) == request_seed(5, 1, 2)
+    assert request_seed(2**64 - 1, 0, 0) != request_seed(2**63 - 1, 0, 0)
+    for bad in (2**64 + 5, -1):  # never reduced to a seed in range (2**64 + 5 would repeat 5's requests)
+        with pytest.raises(ValueError, match=rf"job seed {bad} is invalid: must be an int in \[0, 2\*\*64\)"):
+            request_seed(bad, 0, 0)
 
 
 def _rounds(writer: TrajectoryWriter, n: int) -> None:
