@@ -373,3 +373,21 @@ def test_a_failing_first_round_leaves_output_dir_as_it_was(cache_dir: Path, tmp_
     assert not [p.name for p in out.iterdir() if not p.name.startswith(".")]
     run_composed(out, cache_dir, *args)
     assert len(rows(out)) == 2 * 4 and (out / "config.json").is_file()
+
+
+def test_disk_full_is_a_user_error_and_the_rerun_starts(cache_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """main() prints `error: ...` and exits 2 for a ValueError: a full disk is one, naming the file."""
+    import errno
+
+    import pyarrow.parquet as pq
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    out = tmp_path / "o"
+    with monkeypatch.context() as m:
+        m.setattr(pq, "write_table", full)
+        with pytest.raises(ValueError, match=r"cannot write .*round_00000.parquet: no space left on device"):
+            run_composed(out, cache_dir, "rollout.rounds=1", "data.num_prompts=2")
+    run_composed(out, cache_dir, "rollout.rounds=1", "data.num_prompts=2")
+    assert len(rows(out)) == 2 * 4
