@@ -9,8 +9,9 @@
 Writes trajectories/round_NNNNN.parquet (one file per round, atomically), metrics.jsonl (one line per
 round), config.json (the resolved config and the job seed; a resume must match it) and a wandb/ run
 dir, all under output_dir, which the job locks for its lifetime. Everything a user can get wrong,
-every dataset row included, is checked before anything is written; the script then prints
-``error: ...`` and exits with status 2 instead of a traceback. Progress goes through ``logging``, so
+every dataset row included, is checked before anything is written, and nothing is written before the
+first round is (a first round that fails leaves output_dir as it was); a refusal, a full disk or a damaged
+round file prints ``error: ...`` and exits with status 2 instead of a traceback. Progress goes through ``logging``, so
 Hydra's console and its rollout.log both get it.
 """
 
