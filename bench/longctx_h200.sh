@@ -11,6 +11,7 @@
 set -euo pipefail
 stage=${1:?stage: kernels | tests | w2 | w2-32k | push | regress}
 out=${OUT:-bench/results}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # scripts/bench.py imports the package from here
 mkdir -p "$out"
 tag=$(git rev-parse --short HEAD 2>/dev/null || echo "${COMMIT:-unknown}")
 case $stage in

@@ -7,10 +7,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["Engine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig"]
+__all__ = [
+    "RolloutBackend", "SteppedBackend", "ContinuousBackend", "BackendLimits",
+    "Engine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig",
+]
 __version__ = "0.1.0"
 
 _WHERE = {
+    "RolloutBackend": "rollout.api",
+    "SteppedBackend": "rollout.api",
+    "ContinuousBackend": "rollout.api",
+    "BackendLimits": "rollout.api",
     "Engine": "rollout.engine.engine",
     "SamplingParams": "rollout.sampling_params",
     "RequestOutput": "rollout.outputs",
@@ -19,6 +26,7 @@ _WHERE = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover
+    from rollout.api import BackendLimits, ContinuousBackend, RolloutBackend, SteppedBackend
     from rollout.config import EngineConfig
     from rollout.engine.engine import Engine
     from rollout.outputs import CompletionOutput, RequestOutput

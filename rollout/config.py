@@ -1,4 +1,4 @@
-"""Engine configuration: one frozen dataclass, validated once at construction (mirrored by conf/engine)."""
+"""Engine configuration: one frozen dataclass, validated once at construction (mirrored by rollout/conf/engine)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,9 @@ import zlib
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+# Python puts this directory first on sys.path, where scripts/rollout.py would shadow the `rollout` package
+# (which comes from the install or PYTHONPATH).
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != os.path.dirname(os.path.realpath(__file__))]
 
 from rollout import Engine, SamplingParams  # noqa: E402
 from rollout.config import TP_ALL_REDUCE  # noqa: E402

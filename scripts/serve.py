@@ -1,63 +1,12 @@
-"""The engine as an OpenAI / vLLM-compatible server that a trainer in another process pushes weights into.
+"""`rollout-serve` from a checkout: `python scripts/serve.py [group.key=value ...]`."""
 
-    python scripts/serve.py                                   # the embedded tiny model on 127.0.0.1:8000
-    python scripts/serve.py model.path=/ckpt server.host=0.0.0.0 server.port=8001 engine.max_num_seqs=256
-
-Configured like the main job (conf/serve.yaml reuses its model / engine / sampling groups, plus
-`server`); the engine is built exactly as scripts/rollout.py builds it. Everything a user can get wrong
-is checked before loading; the script then prints ``error: ...`` and exits with status 2.
-"""
-
-from __future__ import annotations
-
-import logging
-import os
 import sys
 from pathlib import Path
 
-# scripts/rollout.py is named like the package: drop this directory from the path so `import rollout`
-# finds the package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _HERE]
+# Python puts this directory first on sys.path, where scripts/rollout.py would shadow the `rollout` package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-import rollout.job.setup as setup  # noqa: E402
-from rollout.cli import quiet_progress_bars, resolved_config, run_or_exit  # noqa: E402
-from rollout.serve.config import ServeConfig  # noqa: E402
-
-log = logging.getLogger("rollout.serve")
-
-
-def load_config(cfg: DictConfig) -> ServeConfig:
-    return ServeConfig.from_dict(resolved_config(cfg, hint=""))
-
-
-def build_engine(config: ServeConfig) -> tuple[object, Path]:
-    """(engine, checkpoint dir) the way the main job builds them (same groups, same checks)."""
-    model_dir = setup.model_dir(config)
-    tokenizer = setup.load_tokenizer(config.model.tokenizer or model_dir, explicit=config.model.tokenizer is not None)
-    return setup.load_engine(config, model_dir, tokenizer), model_dir
-
-
-def run(cfg: DictConfig) -> None:
-    config = load_config(cfg)
-    engine, model_dir = build_engine(config)
-    if config.server.torch_threads is not None:
-        import torch
-
-        torch.set_num_threads(config.server.torch_threads)
-    from rollout.serve.app import serve
-
-    serve(engine, config, config.server.served_model_name or model_dir.name, str(model_dir))
-
-
-@hydra.main(version_base="1.3", config_path="../conf", config_name="serve")
-def main(cfg: DictConfig) -> None:
-    run_or_exit(run, cfg, log)
-
+from rollout.cli.serve import main  # noqa: E402
 
 if __name__ == "__main__":
-    quiet_progress_bars()
     main()

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rollout.api import BackendLimits
 from rollout.engine.engine import EngineStats
 from rollout.outputs import CompletionOutput, RequestOutput
 
@@ -36,6 +37,10 @@ class FakeEngine:
     length: Callable[[list[int], int], int] = default_length
     crash_at_step: int | None = None
     updates: list = field(default_factory=list)  # (version, recompute_running, running request ids)
+    pool: object = None  # stands in for a RolloutPool's per-replica stats (``stats()``)
+    limits: BackendLimits = BackendLimits(max_model_len=1 << 20, vocab_size=1 << 20, max_num_seqs=1 << 10,
+                                          kv_cache_tokens=1 << 20)
+    is_sleeping: bool = False
     _aborted: list = field(default_factory=list)
 
     def add_request(self, prompt, params, request_id=None):
@@ -94,7 +99,23 @@ class FakeEngine:
         return RequestOutput(request_id, list(request[0]), copy.deepcopy(request[3]), None, False)
 
     def get_stats(self):
-        return dataclasses.replace(self.stats, policy_version=self.policy_version)
+        pool = self.pool.stats() if self.pool is not None else None
+        return dataclasses.replace(self.stats, policy_version=self.policy_version, pool=pool)
+
+    def generate(self, prompts, sampling_params=None, use_tqdm=False):
+        raise NotImplementedError("the job drives the fake step by step")
+
+    def sleep(self, level=1):
+        return 0
+
+    def wake_up(self):
+        pass
+
+    def close(self):
+        pass
+
+    def describe(self):
+        return {"fake": True}
 
     def update_weights(self, named_tensors, version=None, recompute_running=True):
         self.policy_version = self.policy_version + 1 if version is None else version

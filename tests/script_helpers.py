@@ -1,4 +1,6 @@
-"""Compose the Hydra configs in conf/ and load the scripts in scripts/ as modules, for tests."""
+"""Compose the Hydra configs in rollout/conf/ and load the scripts left in scripts/ (bench.py) as modules, for tests.
+
+The console entry points are modules (``rollout.cli.serve``, ``rollout.cli.train_grpo``, ...): tests import them."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "rollout" / "conf"
 
 
 def compose(config_name: str, *overrides: str) -> Any:

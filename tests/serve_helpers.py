@@ -1,4 +1,4 @@
-"""Shared by the server tests: scripts/serve.py in a subprocess on a free loopback port, and the same engine
+"""Shared by the server tests: rollout-serve in a subprocess on a free loopback port, and the same engine
 in-process (built by the same code from the same config) for parity checks."""
 
 from __future__ import annotations
@@ -9,26 +9,24 @@ import sys
 import time
 import urllib.request
 
-from tests.script_helpers import ROOT, compose, load_script
-
-SCRIPT = ROOT / "scripts" / "serve.py"
+from rollout.cli import serve
+from tests.script_helpers import ROOT, compose
 
 
 def in_process_engine(*overrides: str):
     """(engine, checkpoint dir) exactly as the server builds them for the same overrides."""
-    script = load_script("serve")
-    return script.build_engine(script.load_config(compose("serve", *overrides)))
+    return serve.build_engine(serve.load_config(compose("serve", *overrides)))
 
 
 class Server:
-    """``python scripts/serve.py server.port=0 ...``; ``url`` once it printed its address."""
+    """``python -m rollout.cli.serve server.port=0 ...`` (``rollout-serve``); ``url`` once it printed its address."""
 
     def __init__(self, *overrides: str) -> None:
         """Starts the process; ``wait_ready`` blocks until it serves (build other things meanwhile)."""
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # carried wheels too
         env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
         self.proc = subprocess.Popen(
-            [sys.executable, str(SCRIPT), "server.port=0", *overrides], cwd=ROOT, env=env,
+            [sys.executable, "-m", "rollout.cli.serve", "server.port=0", *overrides], cwd=ROOT, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         self.lines: list[str] = []

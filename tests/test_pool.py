@@ -4,7 +4,7 @@ Ray's start and each actor's imports take tens of seconds on a small box, so one
 test, in order: parity with one engine, a gloo weight broadcast, then a replica killed mid-round
 (its replacement must catch up to the broadcast weights before taking work), then sleep / wake_up (pushes
 while asleep, a replica killed while asleep). The session has room for a second pool of 2, which
-scripts/train_ppo.py pool.replicas=2 builds for itself (last test).
+rollout-train-ppo pool.replicas=2 builds for itself (last test).
 """
 
 from __future__ import annotations
@@ -169,10 +169,11 @@ def test_trl_rollout_over_the_pool(pool) -> None:
         assert torch.allclose(torch.tensor(lps), ref, atol=1e-4)
 
 
-def test_engine_view_lets_the_job_actor_step_a_pool(pool) -> None:
-    from rollout.pool.engine_view import PoolEngine
+def test_the_pool_steps_for_the_job_as_an_engine_does(pool) -> None:
+    from rollout import SteppedBackend
 
-    view = PoolEngine(pool)
+    assert isinstance(pool, SteppedBackend)
+    view = pool
     prompts = random_prompts(5, 256, hi=12, seed=11)
     params = _params(5)
     ids = [view.add_request(p, sp, f"job-{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
@@ -194,11 +195,10 @@ def test_job_actor_over_the_pool_logs_per_replica_metrics(pool) -> None:
 
     from rollout.job.actor import RolloutActor
     from rollout.job.data import Prompt
-    from rollout.pool.engine_view import PoolEngine
 
     prompts = random_prompts(4, 256, hi=12, seed=12)
     dataset = SimpleNamespace(tokenizer=None, get=lambda g: Prompt(g % 4, "", tuple(prompts[g % 4]), None))
-    actor = RolloutActor(PoolEngine(pool), dataset, SamplingParams(n=2, max_tokens=5, ignore_eos=True), num_prompts=4)
+    actor = RolloutActor(pool, dataset, SamplingParams(n=2, max_tokens=5, ignore_eos=True), num_prompts=4)
     m = actor.run_round().metrics
     assert m["pool/alive"] == 2 and m["num_samples"] == 8
     for i in (0, 1):
@@ -296,13 +296,14 @@ def test_replica_killed_while_asleep_comes_back_asleep_with_current_weights(pool
 
 
 def test_train_ppo_script_over_a_pool(pool, tmp_path) -> None:
-    """scripts/train_ppo.py pool.replicas=2 (its own 2 replicas, in this file's Ray session), replica 0 co-located
+    """rollout-train-ppo pool.replicas=2 (its own 2 replicas, in this file's Ray session), replica 0 co-located
     (weights by shared memory) and asleep through each update (train.sleep_level=1): after every push each
     replica is at the trainer's version and samples with the policy's logprobs; per-replica metrics."""
     import json
     import math
 
-    from tests.script_helpers import compose, load_script
+    from rollout.cli import train_ppo
+    from tests.script_helpers import compose
     from trainer_hooks.ppo import Sequences, token_logprobs
 
     checks, pools = [], []
@@ -325,7 +326,7 @@ def test_train_ppo_script_over_a_pool(pool, tmp_path) -> None:
         checks.append((ppo.version, versions, gaps, asleep))
         pools.append(p)
 
-    out = load_script("train_ppo").run(compose(
+    out = train_ppo.run(compose(
         "train_ppo", f"output_dir={tmp_path}", f"model.cache_dir={tmp_path / 'cache'}", "pool.replicas=2",
         "pool.gpus_per_replica=0", "pool.colocate_with_trainer=true", "train.sleep_level=1", "train.steps=2",
         "sampling.n=2", "sampling.max_tokens=4", "data.num_prompts=2", "train.ppo.ppo_epochs=1",

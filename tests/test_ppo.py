@@ -1,4 +1,4 @@
-"""PPO: the math against hand-worked numbers, token logprobs against the oracle, scripts/train_ppo.py end to end."""
+"""PPO: the math against hand-worked numbers, token logprobs against the oracle, rollout-train-ppo end to end."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
+from rollout.cli import train_ppo
 from rollout.sampling_params import SamplingParams
 from tests.engine_helpers import hf_logprobs
-from tests.script_helpers import compose, load_script, message_regex
+from tests.script_helpers import compose, message_regex
 from tests.tiny_models import make_tiny_hf_model
 from tests.wandb_offline import read_run
 from trainer_hooks.ppo import PPOConfig, Sequences, gae, policy_loss, token_logprobs, token_rewards, value_loss
@@ -90,7 +91,7 @@ def test_train_ppo_script(tmp_path):
             policy = token_logprobs(ppo.policy, seqs, 1.0)[0, : len(c.token_ids)]
         checks.append((ppo.version, ppo.engine.policy_version, (policy - torch.tensor(c.logprobs)).abs().max().item()))
 
-    out = load_script("train_ppo").run(compose(
+    out = train_ppo.run(compose(
         "train_ppo", f"output_dir={tmp_path}", f"model.cache_dir={tmp_path / 'cache'}", "train.steps=3",
         "sampling.n=2", "sampling.max_tokens=4", "data.num_prompts=2", "train.ppo.ppo_epochs=1",
         "train.ppo.num_minibatches=2", "train.reward=tests.test_ppo:short_completions", "train.sleep_level=1",
@@ -122,18 +123,18 @@ def test_train_ppo_script(tmp_path):
     ("train.reward=tests.nowhere:score", "cannot import module 'tests.nowhere'"),
 ])
 def test_train_ppo_refuses_bad_config(tmp_path, override, message):
-    script = load_script("train_ppo")
+    script = train_ppo
     with pytest.raises(ValueError, match=message_regex(message)):
         script.run(compose("train_ppo", f"output_dir={tmp_path}", override))
 
 
-def test_ppo_refuses_sleep_on_an_engine_that_cannot():
-    """sleep_level needs sleep / wake_up / is_sleeping (an Engine, a RolloutPool): refused up front otherwise."""
+def test_ppo_refuses_what_is_not_a_backend():
+    """EnginePPO takes a RolloutBackend (Engine, RolloutPool, RolloutClient), checked once at its door."""
     from types import SimpleNamespace
 
     from trainer_hooks.ppo_loop import EnginePPO
 
-    other = SimpleNamespace(update_weights=None, policy_version=0)  # an engine-like object without sleep()
-    with pytest.raises(ValueError, match="sleep_level=1 needs an Engine or a RolloutPool"):
+    other = SimpleNamespace(update_weights=None, policy_version=0, generate=None)  # engine-like, no contract
+    with pytest.raises(TypeError, match="EnginePPO needs an Engine, a RolloutPool or a RolloutClient"):
         EnginePPO(other, torch.nn.Linear(1, 1), None, torch.nn.Linear(1, 1), None, None, PPOConfig(),
                   SamplingParams(temperature=1.0), sleep_level=1)

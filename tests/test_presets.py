@@ -1,7 +1,8 @@
-"""Presets (conf/model, conf/engine), hub names, console entry points: compose, validate, refuse clearly."""
+"""Presets (rollout/conf/model, rollout/conf/engine), hub names, console entry points: compose, validate."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import tomllib
 from omegaconf import OmegaConf
 
 from rollout.job.config import JobConfig
-from tests.script_helpers import ROOT, compose, load_script
+from tests.script_helpers import CONF, ROOT, compose
 
 MODEL_PRESETS = {  # preset -> (hub name, max_model_len)
     "qwen3-0.6b": ("Qwen/Qwen3-0.6B", 40960), "qwen3-8b": ("Qwen/Qwen3-8B", 40960),
@@ -32,7 +33,7 @@ def test_model_presets_compose_and_validate(config_name, preset):
     if config_name == "config":
         job = JobConfig.from_dict(raw)
     else:
-        job = load_script(config_name).load_config(raw)[0]
+        job = importlib.import_module(f"rollout.cli.{config_name}").load_config(raw)[0]
     assert (job.model.path, job.engine.max_model_len) == MODEL_PRESETS[preset]
     assert job.data.apply_chat_template is True and job.model.dtype == "auto"
     assert job.engine.max_num_seqs == 256  # the engine preset still applies
@@ -44,7 +45,9 @@ def test_engine_presets():
     cpu = JobConfig.from_dict(_raw("config", "engine=cpu")).engine
     assert (cpu.async_mode, cpu.cuda_graphs, cpu.attention_backend) == (False, False, "torch")
     assert cpu.cpu_kv_cache_gib == 2.0
-    h200 = load_script("train_ppo").load_config(_raw("train_ppo", "engine=h200"))[0].engine
+    from rollout.cli import train_ppo
+
+    h200 = train_ppo.load_config(_raw("train_ppo", "engine=h200"))[0].engine
     assert (h200.max_num_seqs, h200.max_graph_batch_size, h200.gpu_memory_utilization) == (256, 256, 0.9)
 
 
@@ -67,7 +70,7 @@ def test_hub_name_offline_says_so(monkeypatch):
         raise huggingface_hub.errors.LocalEntryNotFoundError("outgoing traffic has been disabled")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
-    assert is_hub_name("Qwen/Qwen3-0.6B") and not is_hub_name(str(ROOT / "conf"))
+    assert is_hub_name("Qwen/Qwen3-0.6B") and not is_hub_name(str(CONF))
     with pytest.raises(ValueError, match=r"model.path='Qwen/Qwen3-0.6B' .*snapshot_download could not fetch it "
                                          r"\(LocalEntryNotFoundError.*Offline"):
         resolve_model_path("Qwen/Qwen3-0.6B")
@@ -75,21 +78,18 @@ def test_hub_name_offline_says_so(monkeypatch):
         resolve_model_path("/no/such/dir")
 
 
-def test_console_entry_points_run_the_scripts():
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    import rollout.cli as cli
-
-    scripts = project["scripts"]
-    assert set(scripts) == {"rollout-run", "rollout-serve", "rollout-train-grpo", "rollout-train-ppo"}
-    for target in scripts.values():
-        module, func = target.split(":")
-        assert module == "rollout.cli" and callable(getattr(cli, func))
-    for name in ("train_grpo", "train_ppo", "serve"):  # nothing added to the path (a script only drops its own
-        text = (ROOT / "scripts" / f"{name}.py").read_text()  # directory, where scripts/rollout.py would shadow
-        assert "sys.path.insert" not in text and "sys.path.append" not in text  # the package)
-    # `--cfg job` through the entry point: Hydra composes from conf/ and prints the job config.
+def test_console_entry_points_are_modules():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"rollout-run": "rollout.job.main:main", "rollout-serve": "rollout.cli.serve:main",
+                       "rollout-train-grpo": "rollout.cli.train_grpo:main",
+                       "rollout-train-ppo": "rollout.cli.train_ppo:main"}
+    for name in ("train_grpo", "train_ppo", "serve"):  # scripts/ only wraps the module's main
+        text = (ROOT / "scripts" / f"{name}.py").read_text()
+        assert f"from rollout.cli.{name} import main" in text and "runpy" not in text and len(text.splitlines()) < 15
+        assert "sys.path.insert" not in text and "sys.path.append" not in text
+    # `--cfg job` through the entry point: Hydra composes from rollout/conf and prints the job config.
     code = ("import sys; sys.argv = ['rollout-train-grpo', '--cfg', 'job', 'model=qwen3-0.6b', 'engine=h200']; "
-            "from rollout.cli import train_grpo; train_grpo()")
+            "from rollout.cli.train_grpo import main; main()")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", code], cwd="/", env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -1,15 +1,16 @@
-"""conf/serve.yaml composes into ServeConfig; bad server settings are refused before anything loads."""
+"""rollout/conf/serve.yaml composes into ServeConfig; bad server settings are refused before anything loads."""
 
 from __future__ import annotations
 
 import pytest
 
+from rollout.cli import serve
 from rollout.serve.config import ServeConfig
-from tests.script_helpers import compose, load_script, message_regex
+from tests.script_helpers import compose, message_regex
 
 
 def _config(*overrides: str) -> ServeConfig:
-    return load_script("serve").load_config(compose("serve", *overrides))
+    return serve.load_config(compose("serve", *overrides))
 
 
 def test_defaults_are_the_tiny_model_on_loopback():

@@ -1,4 +1,4 @@
-"""scripts/train_grpo.py: both trainers end to end (tiny, CPU), its W&B run, the GRPOConfig passthrough, errors."""
+"""rollout-train-grpo: both trainers end to end (tiny, CPU), its W&B run, the GRPOConfig passthrough, errors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-from tests.script_helpers import compose, load_script, message_regex
+from rollout.cli import train_grpo
+from tests.script_helpers import compose, message_regex
 from tests.wandb_offline import read_run
 
 SMALL = ("train.steps=2", "sampling.n=2", "sampling.max_tokens=4", "data.num_prompts=2")
@@ -16,7 +17,7 @@ SMALL = ("train.steps=2", "sampling.n=2", "sampling.max_tokens=4", "data.num_pro
 @pytest.mark.parametrize("trainer", ["grpo", "async_grpo"])
 def test_train_script_runs_and_logs_rewards(tmp_path, caplog, trainer):
     caplog.set_level(logging.INFO, logger="rollout.train")
-    out = load_script("train_grpo").run(compose(
+    out = train_grpo.run(compose(
         "train_grpo", f"output_dir={tmp_path}", f"model.cache_dir={tmp_path / 'cache'}", f"train.trainer={trainer}",
         "logger.wandb.mode=disabled", *SMALL,
     ))
@@ -40,7 +41,7 @@ def test_train_script_partial_mode(tmp_path, monkeypatch, trainer):
     init = async_grpo.EngineRolloutWorker.__init__
     monkeypatch.setattr(async_grpo.EngineRolloutWorker, "__init__",
                         lambda self, *a, **kw: staleness.append(kw.get("max_staleness")) or init(self, *a, **kw))
-    out = load_script("train_grpo").run(compose(
+    out = train_grpo.run(compose(
         "train_grpo", f"output_dir={tmp_path}", f"model.cache_dir={tmp_path / 'cache'}", f"train.trainer={trainer}",
         "logger.wandb.mode=disabled", "rollout.mode=partial", "rollout.max_staleness=1", *SMALL,
     ))
@@ -56,7 +57,7 @@ def test_train_script_partial_mode(tmp_path, monkeypatch, trainer):
 
 
 def test_grpo_run_logs_engine_metrics_to_offline_wandb(tmp_path):
-    out = load_script("train_grpo").run(compose(
+    out = train_grpo.run(compose(
         "train_grpo", f"output_dir={tmp_path}", f"model.cache_dir={tmp_path / 'cache'}", "logger.wandb.mode=offline",
         "train.sleep_level=1", "+train.grpo.vllm_importance_sampling_clip_max=2.0", *SMALL,
     ))
@@ -73,7 +74,7 @@ def test_grpo_run_logs_engine_metrics_to_offline_wandb(tmp_path):
 
 
 def test_grpo_config_passthrough():
-    script = load_script("train_grpo")
+    script = train_grpo
     job, train, _ = script.load_config(_raw("+train.grpo.loss_type=dr_grpo", "+train.grpo.epsilon_high=0.28",
                                          "+train.grpo.gradient_accumulation_steps=4"))
     from types import SimpleNamespace
@@ -115,7 +116,7 @@ def _raw(*overrides: str) -> dict:
     ],
 )
 def test_train_script_refuses_bad_config(tmp_path, override, message):
-    script = load_script("train_grpo")
+    script = train_grpo
     with pytest.raises(ValueError, match=message_regex(message)):
         job, train, _ = script.load_config(_raw(*override.split()))
         from types import SimpleNamespace
@@ -128,7 +129,7 @@ def test_grpo_generates_with_a_pool_of_two_replicas(tmp_path):
     asleep while the trainer trains (train.sleep_level=1 without co-location: every replica sleeps)."""
     ray = pytest.importorskip("ray", reason="the pool needs Ray")
     try:
-        out = load_script("train_grpo").run(compose(
+        out = train_grpo.run(compose(
             "train_grpo", f"output_dir={tmp_path}", f"model.cache_dir={tmp_path / 'cache'}",
             "logger.wandb.mode=disabled", "pool.replicas=2", "pool.gpus_per_replica=0", "train.steps=1",
             "sampling.n=2", "sampling.max_tokens=4", "data.num_prompts=2", "train.sleep_level=1",
@@ -147,7 +148,7 @@ def test_grpo_generates_with_a_pool_of_two_replicas(tmp_path):
 ])
 def test_pool_refuses_what_it_cannot_do(overrides, err):
     with pytest.raises(ValueError, match=err):
-        load_script("train_grpo").load_config(_raw("pool.replicas=2", *overrides))
+        train_grpo.load_config(_raw("pool.replicas=2", *overrides))
 
 
 def test_wandb_env_wins_over_an_earlier_wandb_setup(tmp_path, monkeypatch):

@@ -23,7 +23,6 @@ from trainer_hooks.trl import (
     tokenize_prompts,
     trl_reward,
 )
-from trainer_hooks.weights import resolve_engine
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -201,10 +200,11 @@ def test_rewards_in_trl_convention_and_actor_target(tok):
     assert reward(prompts=["a", "b"], completions=completions, answer=["14", "14"]) == [1.0, 0.0]
     assert digit_fraction("12 ab") == 0.5 and digit_fraction("") == 0.0
     engine = make_engine(_tiny(tok), block_size=4)
+    assert TRLRollout(engine).engine is engine
     actor = RolloutActor(engine, None, SamplingParams(), num_prompts=1)
-    assert resolve_engine(actor) is engine and TRLRollout(actor).engine is engine
-    with pytest.raises(TypeError, match="Engine or RolloutActor"):
-        TRLRollout(object())
+    for not_a_backend in (object(), actor):  # the job's round driver is not a backend: pass its engine
+        with pytest.raises(TypeError, match="TRLRollout needs an Engine, a RolloutPool or a RolloutClient"):
+            TRLRollout(not_a_backend)
 
 
 # ---- AsyncGRPOTrainer with the engine adapters ----------------------------------------------------------

@@ -195,9 +195,12 @@ def test_drain_is_the_default_and_unchanged(tok):
         TRLRollout(FakeEngine(), mode="partial", sleep_level=1)
     with pytest.raises(ValueError, match="max_staleness=-1 is invalid"):
         TRLRollout(FakeEngine(), mode="partial", max_staleness=-1)
-    client = SimpleNamespace(update_weights=None, policy_version=0, generate=None)
-    with pytest.raises(TypeError, match="needs an in-process Engine"):
+    from trainer_hooks.client import RolloutClient
+
+    client = RolloutClient("http://127.0.0.1:9")  # a backend, but one that cannot carry groups across calls
+    with pytest.raises(TypeError, match=r"TRLRollout\(mode='partial'\) needs an in-process Engine"):
         TRLRollout(client, mode="partial")
+    client.close()
 
 
 def test_partial_on_the_engine_with_an_eval_call_between(tok):

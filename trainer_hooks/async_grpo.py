@@ -36,10 +36,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from rollout.api import ContinuousBackend, RolloutBackend, require_backend
 from rollout.job.staleness import carried_tokens, check_max_staleness, stale_running, too_stale
 from trainer_hooks.engine_metrics import EngineWindow, policy_lag
 from trainer_hooks.trl import sampling_params_from_args
-from trainer_hooks.weights import normalize_name, push_weights, resolve_engine
+from trainer_hooks.weights import normalize_name, push_weights
 
 
 class EngineWeightTransfer:
@@ -47,10 +48,9 @@ class EngineWeightTransfer:
     is exactly ``AsyncGRPOTrainer.model_version`` once that sync completes. ``recompute_running``: running
     sequences recompute their KV under the new weights (one prefill each) or keep the old KV."""
 
-    def __init__(self, engine_or_actor: Any, start_version: int = 0, metrics_queue: queue.Queue | None = None,
+    def __init__(self, engine: Any, start_version: int = 0, metrics_queue: queue.Queue | None = None,
                  recompute_running: bool = True) -> None:
-        self.target = engine_or_actor
-        resolve_engine(engine_or_actor)
+        self.engine = require_backend(engine, "EngineWeightTransfer", RolloutBackend)
         self.recompute_running = recompute_running
         self.version = start_version
         self.seconds: list[float] = []
@@ -65,7 +65,7 @@ class EngineWeightTransfer:
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
         t0 = time.perf_counter()
         plain = ((hf, t) for name, t in iterator if (hf := normalize_name(name)) is not None)
-        push_weights(self.target, plain, version=self.version + 1, recompute_running=self.recompute_running)
+        push_weights(self.engine, plain, version=self.version + 1, recompute_running=self.recompute_running)
         self.version += 1
         self.seconds.append(time.perf_counter() - t0)
         if self.metrics_queue is not None:
@@ -85,15 +85,15 @@ class EngineRolloutWorker:
     ``rollout_buffer``. At most ``max_inflight`` completions are generated or queued but not consumed.
     ``max_staleness`` (None: no limit here) drops groups too far behind the weights (see the module doc)."""
 
-    def __init__(self, engine_or_actor: Any, dataset: Any, reward_funcs: list[Callable[..., list[float]]],
+    def __init__(self, engine: Any, dataset: Any, reward_funcs: list[Callable[..., list[float]]],
                  tokenizer: Any, args: Any, max_inflight: int | None = None, max_staleness: int | None = None
                  ) -> None:
+        self.engine = require_backend(engine, "the async GRPO rollout worker", ContinuousBackend)
         check_max_staleness(max_staleness)
         if args.num_generations < 1:
             raise ValueError(f"num_generations must be >= 1, got {args.num_generations}")
         if len(dataset) == 0 or "prompt" not in dataset.column_names:
             raise ValueError(f"the dataset needs rows with a 'prompt' column, got {dataset.column_names}")
-        self.engine = resolve_engine(engine_or_actor)
         self.dataset, self.reward_funcs, self.tokenizer = dataset, list(reward_funcs), tokenizer
         self.n = args.num_generations
         self.params = dataclasses.replace(sampling_params_from_args(args, self._eos_ids(tokenizer)), n=self.n)

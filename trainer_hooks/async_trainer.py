@@ -27,10 +27,10 @@ from trl.experimental.async_grpo import AsyncGRPOTrainer
 from trl.experimental.async_grpo import async_grpo_trainer as trainer_module
 from trl.experimental.async_grpo.packing import TREE_ATTENTION
 
+from rollout.api import ContinuousBackend, require_backend
 from trainer_hooks.async_grpo import EngineRolloutWorker, EngineWeightTransfer
-from trainer_hooks.engine_metrics import add_to_wandb_config, engine_run_config, reports_to_wandb
+from trainer_hooks.engine_metrics import add_to_wandb_config, reports_to_wandb
 from trainer_hooks.grpo import check_trl_version
-from trainer_hooks.weights import resolve_engine
 
 
 class RunConfigCallback(TrainerCallback):
@@ -49,20 +49,20 @@ class EngineAsyncGRPOTrainer(AsyncGRPOTrainer):
     unset defaults to the engine's ``max_model_len`` (TRL would ask the vLLM server). ``max_staleness`` and
     ``recompute_running`` are the engine side's partial-rollout knobs (``trainer_hooks.async_grpo``)."""
 
-    def __init__(self, model: str, engine_or_actor: Any, reward_funcs: list[Callable[..., list[float]]], args: Any,
+    def __init__(self, model: str, engine: Any, reward_funcs: list[Callable[..., list[float]]], args: Any,
                  train_dataset: Any, processing_class: Any, torch_attention: bool | None = None,
                  run_config: dict[str, Any] | None = None, callbacks: list[Any] | None = None,
                  max_staleness: int | None = None, recompute_running: bool = True, **kwargs: Any) -> None:
         check_trl_version("trainer_hooks.async_trainer")
-        engine = resolve_engine(engine_or_actor)
+        engine = require_backend(engine, "train.trainer=async_grpo", ContinuousBackend)
         if args.token_budget is None:
-            args.token_budget = engine.max_model_len
+            args.token_budget = engine.limits.max_model_len
         use_torch = (not torch.cuda.is_available()) if torch_attention is None else torch_attention
-        worker = EngineRolloutWorker(engine_or_actor, train_dataset, reward_funcs, processing_class, args,
+        worker = EngineRolloutWorker(engine, train_dataset, reward_funcs, processing_class, args,
                                      max_staleness=max_staleness)
-        transfer = EngineWeightTransfer(engine_or_actor, metrics_queue=worker.metrics_queue,
+        transfer = EngineWeightTransfer(engine, metrics_queue=worker.metrics_queue,
                                         recompute_running=recompute_running)
-        config = {"engine": engine_run_config(engine), **(run_config or {})}
+        config = {"engine": engine.describe(), **(run_config or {})}
         with _no_peak_flops(use_torch):
             super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                              processing_class=processing_class, rollout_worker=worker, weight_transfer=transfer,
@@ -111,11 +111,11 @@ def _no_peak_flops(active: bool) -> Iterator[None]:
         trainer_module.get_peak_flops_per_device = original
 
 
-def build_async_grpo_trainer(model_path: str, engine_or_actor: Any, reward_funcs: list[Callable[..., list[float]]],
+def build_async_grpo_trainer(model_path: str, engine: Any, reward_funcs: list[Callable[..., list[float]]],
                              args: Any, train_dataset: Any, processing_class: Any,
                              torch_attention: bool | None = None, **kwargs: Any) -> EngineAsyncGRPOTrainer:
     """``EngineAsyncGRPOTrainer(...)`` under its older name."""
-    return EngineAsyncGRPOTrainer(model_path, engine_or_actor, reward_funcs, args, train_dataset, processing_class,
+    return EngineAsyncGRPOTrainer(model_path, engine, reward_funcs, args, train_dataset, processing_class,
                                   torch_attention=torch_attention, **kwargs)
 
 

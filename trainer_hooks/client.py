@@ -5,15 +5,16 @@
     client.push_weights(model)   # normalised names, then a bucketed broadcast (the group is made on first use)
     client.pause("keep"); client.push_weights(model); client.resume()
 
-``RolloutClient`` quacks like an ``Engine`` where the trainer hooks need it (``generate``,
-``update_weights``, ``policy_version``), so ``TRLRollout(client)`` and ``push_weights(client, model)`` work
-unchanged. HTTP is the standard library's (one keep-alive connection per thread). Weights travel over a
+``RolloutClient`` is a ``rollout.RolloutBackend`` (``generate``, ``update_weights``, ``policy_version``,
+``limits``, ``sleep``...), so ``TRLRollout(client)`` and ``push_weights(client, model)`` take it as they take an
+``Engine``. HTTP is the standard library's (one keep-alive connection per thread). Weights travel over a
 ``TransferGroup`` the client hosts as rank 0: NCCL when the tensors are on CUDA, gloo otherwise.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import http.client
 import json
 import socket
@@ -25,6 +26,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from rollout.api import BackendLimits
 from rollout.engine.stats import EngineStats
 from rollout.engine.transfer_group import PushRejected, TransferError, TransferGroup, await_verdicts, cuda_device
 from rollout.engine.validation import normalize_params, normalize_prompts
@@ -60,7 +62,7 @@ class RolloutClient:
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="rollout-client")
         self.group: TransferGroup | None = None
         self._push_id = 0
-        self._model: str | None = None
+        self._model_card: dict[str, Any] | None = None
         atexit.register(self.close)
 
     # ---- HTTP ------------------------------------------------------------------------------------------
@@ -106,9 +108,20 @@ class RolloutClient:
 
     @property
     def model(self) -> str:
-        if self._model is None:
-            self._model = self.request("GET", "/v1/models")["data"][0]["id"]
-        return self._model
+        return self._card()["id"]
+
+    @property
+    def limits(self) -> BackendLimits:
+        """The server engine's limits (asked once: they are fixed for a server's lifetime)."""
+        return BackendLimits(**self._card()["limits"])
+
+    def describe(self) -> dict[str, Any]:
+        return {"base_url": self.base_url, "model": self.model, **dataclasses.asdict(self.limits)}
+
+    def _card(self) -> dict[str, Any]:
+        if self._model_card is None:
+            self._model_card = self.request("GET", "/v1/models")["data"][0]
+        return self._model_card
 
     @property
     def policy_version(self) -> int:
@@ -273,11 +286,16 @@ class RolloutClient:
     def resume(self) -> dict[str, Any]:
         return self.request("POST", "/resume")
 
-    def sleep(self, level: int = 1) -> dict[str, Any]:
-        return self.request("POST", f"/sleep?level={level}")
+    def sleep(self, level: int = 1) -> int:
+        """``Engine.sleep`` on the server; the bytes it released."""
+        return int(self.request("POST", f"/sleep?level={level}")["released_bytes"])
 
-    def wake_up(self) -> dict[str, Any]:
-        return self.request("POST", "/wake_up")
+    def wake_up(self) -> None:
+        self.request("POST", "/wake_up")
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.request("GET", "/is_sleeping")["is_sleeping"])
 
     def reset_prefix_cache(self) -> dict[str, Any]:
         return self.request("POST", "/reset_prefix_cache")

@@ -20,7 +20,6 @@ so windows never overlap and nothing in the engine is reset.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -35,11 +34,10 @@ class EngineWindow:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.replicas: PoolMeter | None = None
-        if is_pool(engine):
-            self.replicas = PoolMeter()
-            self.replicas.metrics(engine.stats(), 1.0)  # each replica's counters at the window's start
         self.before = engine.get_stats()
+        self.replicas = PoolMeter()
+        if self.before.pool is not None:
+            self.replicas.metrics(self.before.pool, 1.0)  # each replica's counters at the window's start
         self.t0 = time.perf_counter()
 
     def close(self) -> dict[str, float]:
@@ -47,8 +45,8 @@ class EngineWindow:
         seconds = time.perf_counter() - self.t0
         steps = after.num_steps - self.before.num_steps
         tokens = after.num_generated_tokens - self.before.num_generated_tokens
-        kv = getattr(after, "kv_cache_usage_sum", 0.0) - getattr(self.before, "kv_cache_usage_sum", 0.0)
-        per_replica = {} if self.replicas is None else self.replicas.metrics(self.engine.stats(), seconds)
+        kv = after.kv_cache_usage_sum - self.before.kv_cache_usage_sum
+        per_replica = {} if after.pool is None else self.replicas.metrics(after.pool, seconds)
         return {
             **{f"rollout/{k}": float(v) for k, v in per_replica.items()},
             "rollout/generation_s": seconds,
@@ -59,11 +57,6 @@ class EngineWindow:
             "rollout/preemptions": float(after.num_preemptions - self.before.num_preemptions),
             "rollout/policy_version": float(after.policy_version),
         }
-
-
-def is_pool(engine: Any) -> bool:
-    """A ``RolloutPool`` (duck-typed, so Ray is never imported here): per-replica ``stats()`` and a factory."""
-    return callable(getattr(engine, "stats", None)) and hasattr(engine, "engine_factory")
 
 
 def policy_lag(current_version: int, completions_versions: Iterable[Sequence[int]]) -> dict[str, float]:
@@ -79,21 +72,6 @@ def partial_rollout_metrics(trace: RoundTrace, t1: float) -> dict[str, float]:
     m = {f"rollout/{k}": float(v) for k, v in partial_metrics(trace).items() if k != "staleness_hist"}
     m["rollout/tail_batch_size"] = tail_batch_size(trace.steps, trace.t0, t1)
     return m
-
-
-def engine_run_config(engine: Any) -> dict[str, Any]:
-    """The engine's resolved settings (what ``auto`` / ``None`` became), for the run's config."""
-    if not hasattr(engine, "config") and is_pool(engine):  # a RolloutPool: its replicas' recipe
-        factory = engine.engine_factory
-        return {**dict(getattr(factory, "options", {}) or {}), "pool_replicas": len(engine.members),
-                "dtype": getattr(factory, "dtype", None), "device": str(getattr(engine, "device", None))}
-    config = dataclasses.asdict(engine.config) if dataclasses.is_dataclass(engine.config) else {}
-    config.update(
-        dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device),
-        max_model_len=int(engine.max_model_len), num_blocks=int(engine.num_blocks),
-        async_mode=bool(engine.async_mode), attention_backend_resolved=getattr(engine.attn_backend, "name", None),
-    )
-    return config
 
 
 def reports_to_wandb(report_to: Any) -> bool:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rollout.api import require_backend
 from rollout.sampling_params import SamplingParams
 from trainer_hooks.engine_metrics import EngineWindow
 from trainer_hooks.ppo import (
@@ -36,7 +37,7 @@ from trainer_hooks.ppo import (
     token_rewards,
     value_loss,
 )
-from trainer_hooks.weights import HFWeights, push_weights, resolve_engine
+from trainer_hooks.weights import HFWeights, push_weights
 
 
 @dataclass
@@ -58,18 +59,15 @@ class EnginePPO:
     (checks, tests). ``seconds`` keeps running totals of generation and weight-push time.
     """
 
-    def __init__(self, engine_or_actor: Any, policy: nn.Module, value_model: ValueModel, ref_model: nn.Module,
+    def __init__(self, engine: Any, policy: nn.Module, value_model: ValueModel, ref_model: nn.Module,
                  tokenizer: Any, reward_fn: Callable[..., list[Any]], config: PPOConfig, sampling: SamplingParams,
                  sleep_level: int = 0, bf16: bool = False, on_push: Callable[[EnginePPO], None] | None = None) -> None:
         if sampling.temperature <= 0:
             raise ValueError(f"sampling.temperature={sampling.temperature} is invalid for PPO: must be > 0")
-        self.target, self.engine = engine_or_actor, resolve_engine(engine_or_actor)
+        self.engine = require_backend(engine, "EnginePPO")
         self.policy, self.value_model, self.ref = policy, value_model, ref_model.eval().requires_grad_(False)
         self.tokenizer, self.reward_fn, self.cfg = tokenizer, reward_fn, config
         self.sampling = dataclasses.replace(sampling, logprobs_mode="policy")
-        if sleep_level and not all(hasattr(self.engine, k) for k in ("sleep", "wake_up", "is_sleeping")):
-            raise ValueError(f"sleep_level={sleep_level} needs an Engine or a RolloutPool (sleep / wake_up / "
-                             f"is_sleeping); a {type(self.engine).__name__} keeps its own memory (use 0)")
         self.sleep_level, self.bf16, self.on_push = sleep_level, bf16, on_push
         self.device = next(policy.parameters()).device
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -93,7 +91,7 @@ class EnginePPO:
 
     def push(self) -> None:
         t0 = time.perf_counter()
-        reached = push_weights(self.target, HFWeights(self.policy), version=self.version)
+        reached = push_weights(self.engine, HFWeights(self.policy), version=self.version)
         seconds = time.perf_counter() - t0
         if reached != self.version:  # the next rollout's logprobs would not be this policy's
             raise RuntimeError(f"the engine is at policy_version {reached} after pushing version {self.version}")

@@ -1,4 +1,4 @@
-"""What the training scripts (scripts/train_grpo.py, scripts/train_ppo.py) share: config loading, the model,
+"""What the training scripts (rollout/cli/train_grpo.py, rollout/cli/train_ppo.py) share: config loading, the model,
 tokenizer, dataset and engine, W&B settings, and the per-step log (logger line + metrics.jsonl).
 
 No Hydra here: the scripts compose the config and hand a plain dict to ``load_job``.

@@ -17,18 +17,18 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from rollout.api import require_backend
 from rollout.job.rewards import completion_text, digit_fraction, trl_reward  # noqa: F401  (re-exported)
 from rollout.sampling_params import SamplingParams
 from trainer_hooks.engine_metrics import (
     EngineWindow,
     add_to_wandb_config,
-    engine_run_config,
     partial_rollout_metrics,
     policy_lag,
     reports_to_wandb,
 )
 from trainer_hooks.trl_partial import GROUP_KEY, PartialRollouts
-from trainer_hooks.weights import HFWeights, push_weights, resolve_engine
+from trainer_hooks.weights import HFWeights, push_weights
 
 MODES = ("drain", "partial")
 
@@ -39,7 +39,7 @@ GENERATION_KWARGS = tuple(
 
 
 class TRLRollout:
-    """A ``rollout_func`` for ``GRPOTrainer``: ``TRLRollout(engine_or_actor)(prompts, trainer) -> dict``.
+    """A ``rollout_func`` for ``GRPOTrainer``: ``TRLRollout(backend)(prompts, trainer) -> dict``.
 
     Before generating it pushes the trainer's weights to the engine when ``trainer.state.global_step``
     moved since the last push (and on the first call), as version ``global_step``. ``last_outputs``
@@ -65,7 +65,7 @@ class TRLRollout:
     and ``tail_batch_size``.
     """
 
-    def __init__(self, engine_or_actor: Any, sync_weights: bool = True, sleep_level: int = 0,
+    def __init__(self, engine: Any, sync_weights: bool = True, sleep_level: int = 0,
                  run_config: dict[str, Any] | None = None, mode: str = "drain",
                  max_inflight_groups: int | None = None, max_staleness: int | None = None,
                  stale_groups: str = "drop", recompute_running: bool = True, prompt_dataset: Any = None) -> None:
@@ -74,8 +74,7 @@ class TRLRollout:
                              "cache between generations) or 2 (also move the engine's weights to the CPU)")
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is invalid: must be one of {list(MODES)}")
-        self.target = engine_or_actor
-        self.engine = resolve_engine(engine_or_actor)
+        self.engine = require_backend(engine, "TRLRollout")
         self.sync_weights = sync_weights
         self.sleep_level = sleep_level
         self.mode, self.recompute_running = mode, bool(recompute_running)
@@ -191,7 +190,7 @@ class TRLRollout:
         model = trainer.accelerator.unwrap_model(trainer.model)
         t0 = time.perf_counter()
         with merged_adapter(model):
-            push_weights(self.target, HFWeights(model), version=step, recompute_running=self.recompute_running)
+            push_weights(self.engine, HFWeights(model), version=step, recompute_running=self.recompute_running)
         seconds = time.perf_counter() - t0
         self._push_s.append(seconds)
         self.seconds["weight_push"] += seconds
@@ -217,7 +216,7 @@ class TRLRollout:
                 log_metric(key, value)
         args = getattr(trainer, "args", None)
         if not self._config_logged and reports_to_wandb(getattr(args, "report_to", None)):
-            self._config_logged = add_to_wandb_config({"engine": engine_run_config(self.engine), **self.run_config})
+            self._config_logged = add_to_wandb_config({"engine": self.engine.describe(), **self.run_config})
 
 
 @contextlib.contextmanager

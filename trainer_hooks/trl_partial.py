@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rollout.api import ContinuousBackend, require_backend
 from rollout.job.round_metrics import RoundTrace
 from rollout.job.staleness import (
     carried_tokens,
@@ -78,12 +79,8 @@ class PartialRollouts:
             raise ValueError(f"max_inflight_groups={max_inflight_groups!r} is invalid: must be an int >= 1 or None")
         check_max_staleness(max_staleness)
         check_stale_groups(stale_groups)
-        needed = ("add_request", "step", "abort", "partial_output")
-        missing = [m for m in needed if not callable(getattr(engine, m, None))]
-        if missing:
-            raise TypeError(f"mode='partial' needs an in-process Engine; {type(engine).__name__} has no {missing} "
-                            "(a RolloutPool or a RolloutClient: use mode='drain')")
-        self.engine, self.max_inflight_groups = engine, max_inflight_groups
+        self.engine = require_backend(engine, "TRLRollout(mode='partial')", ContinuousBackend)
+        self.max_inflight_groups = max_inflight_groups
         self.max_staleness, self.stale_groups, self.prompt_dataset = max_staleness, stale_groups, prompt_dataset
         self.groups: dict[int, PartialGroup] = {}  # admitted and not yet forgotten (a call after their hand-out)
         self.incoming: list[int] = []  # the group of each row TRL passed to the latest call

@@ -11,6 +11,7 @@ go to that call; ``step()`` returns only the others (online requests from ``add_
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import threading
@@ -19,6 +20,7 @@ from collections.abc import Iterable
 
 import torch
 
+from rollout.api import BackendLimits
 from rollout.config import EngineConfig
 from rollout.engine import loading
 from rollout.engine.block_manager import BlockManager
@@ -348,6 +350,22 @@ class Engine:
         with torch.no_grad():
             for t in list(self.model.parameters()) + list(self.model.buffers()):
                 t.data = t.data.to(device, non_blocking=False)
+
+    @property
+    def limits(self) -> BackendLimits:
+        return BackendLimits(self.max_model_len, int(self.model.vocab_size), self.config.max_num_seqs,
+                             self.num_blocks * self.config.block_size)
+
+    def describe(self) -> dict[str, object]:
+        return {**dataclasses.asdict(self.config), "dtype": str(self.dtype).removeprefix("torch."),
+                "device": str(self.device), "max_model_len": self.max_model_len, "num_blocks": self.num_blocks,
+                "async_mode": self.async_mode, "attention_backend_resolved": self.attn_backend.name}
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (if any); the engine is not used afterwards."""
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
 
     def get_stats(self) -> EngineStats:
         with self._lock:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout.api import ContinuousBackend, SteppedBackend, require_backend
 from rollout.job.data import Prompt, PromptDataset
 from rollout.job.rewards import RewardFn
 from rollout.job.round_metrics import PoolMeter, RoundTrace, round_metrics
@@ -89,7 +90,9 @@ class RolloutActor:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if stale_groups not in STALE_POLICIES:
             raise ValueError(f"stale_groups must be one of {STALE_POLICIES}, got {stale_groups!r}")
-        self.engine, self.dataset, self.params = engine, dataset, sampling_params
+        need = ContinuousBackend if mode == "partial" else SteppedBackend
+        self.engine = require_backend(engine, f"the main job (rollout.mode={mode})", need)
+        self.dataset, self.params = dataset, sampling_params
         self.num_prompts, self.reward_fn = num_prompts, reward_fn
         self.round = start_round  # the next round to run
         self.log_every_steps, self.on_step, self.progress = log_every_steps, on_step, progress
@@ -108,7 +111,7 @@ class RolloutActor:
         self._in_round = False
         self.copy_bandwidth = copy_bandwidth
         self._awaiting_first: dict[str, float] = {}  # request id -> submission time, in submission order
-        self._pool_meter = PoolMeter() if hasattr(getattr(engine, "pool", None), "stats") else None
+        self._pool_meter = PoolMeter()
 
     @property
     def partial(self) -> bool:
@@ -166,10 +169,10 @@ class RolloutActor:
         trajectories = [t for g in handed for t in self._rows(r, g)]
         trace.carried_over_groups = len(self._running) + len(self._ready) + len(self._regenerate)
         trace.carried_over_tokens = self._carried_tokens()
-        metrics = round_metrics(r, trajectories, before, self.engine.get_stats(), trace, t1, self.partial,
-                                self.copy_bandwidth)
-        if self._pool_meter is not None:
-            metrics.update(self._pool_meter.metrics(self.engine.pool.stats(), t1 - trace.t0))
+        after = self.engine.get_stats()
+        metrics = round_metrics(r, trajectories, before, after, trace, t1, self.partial, self.copy_bandwidth)
+        if after.pool is not None:
+            metrics.update(self._pool_meter.metrics(after.pool, t1 - trace.t0))
         self.round += 1
         return RoundResult(r, trajectories, metrics, list(trace.staleness))
 
@@ -332,7 +335,7 @@ class RolloutActor:
         )
 
     def _decode(self, ids: list[int]) -> str:
-        tok = getattr(self.engine, "tokenizer", None) or self.dataset.tokenizer
+        tok = self.dataset.tokenizer
         return tok.decode(ids, skip_special_tokens=True) if tok is not None else ""
 
 

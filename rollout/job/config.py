@@ -1,6 +1,6 @@
-"""The main job's configuration: frozen dataclasses mirrored one-to-one by the Hydra groups in conf/.
+"""The main job's configuration: frozen dataclasses mirrored one-to-one by the Hydra groups in rollout/conf/.
 
-Built from a plain dict (``JobConfig.from_dict``) so Hydra stays in scripts/. Every user error is a
+Built from a plain dict (``JobConfig.from_dict``) so Hydra stays in the entry points. Every user error is a
 ValueError naming the key, the value and what is allowed, raised before anything is loaded.
 """
 
@@ -241,6 +241,10 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         check_str("output_dir", self.output_dir)
+        if self.rollout.mode == "partial" and self.pool.replicas > 1:
+            fail("rollout.mode", "partial", f"drain with pool.replicas={self.pool.replicas}: a pool runs each round "
+                 "to its end, while partial rollouts carry running groups across rounds in the in-process engine "
+                 "(pool.replicas=1)")
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> JobConfig:

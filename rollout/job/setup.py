@@ -119,7 +119,6 @@ def load_engine(job: JobConfig, model_path: Path, tokenizer: Any) -> Any:
 def load_pool(job: JobConfig, model_path: Path, tokenizer: Any, options: dict[str, Any]) -> Any:
     """``pool.replicas`` Ray actors behind the engine's step surface (each loads the checkpoint itself)."""
     from rollout.pool import EngineFactory
-    from rollout.pool.engine_view import PoolEngine
     from rollout.pool.pool import RolloutPool
 
     if job.pool.colocate_with_trainer:
@@ -127,12 +126,11 @@ def load_pool(job: JobConfig, model_path: Path, tokenizer: Any, options: dict[st
                          "replica 0 shares the trainer's GPU; this job has no trainer process (its weights come "
                          "from rollout.weights_from or a server push): set it to false")
     factory = EngineFactory(str(model_path), job.model.dtype, job.model.device, tokenizer, options)
-    pool = RolloutPool(job.pool.replicas, factory, address=job.pool.address,
+    return RolloutPool(job.pool.replicas, factory, address=job.pool.address,
                        gpus_per_replica=job.pool.gpus_per_replica, torch_threads=job.rollout.torch_threads)
-    return PoolEngine(pool)
 
 
-def prompt_limits(engine: Any) -> PromptLimits:
-    """The engine's limits on a prompt: vocabulary, max_model_len and KV capacity in tokens."""
-    kv_tokens = engine.num_blocks * engine.config.block_size
-    return PromptLimits(engine.model.vocab_size, engine.max_model_len, kv_tokens)
+def prompt_limits(backend: Any) -> PromptLimits:
+    """The backend's limits on a prompt: vocabulary, max_model_len and KV capacity in tokens."""
+    limits = backend.limits
+    return PromptLimits(limits.vocab_size, limits.max_model_len, limits.kv_cache_tokens)

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from rollout.api import BackendLimits
 from rollout.engine.stats import EngineStats
 from rollout.engine.validation import normalize_params, normalize_prompts
 from rollout.outputs import RequestOutput
@@ -43,6 +44,7 @@ from rollout.pool import transfer as pool_transfer
 from rollout.pool.colocate import TrainerPlace
 from rollout.pool.dispatch import Dispatcher, Slot
 from rollout.pool.replica import Replica
+from rollout.pool.round_queue import RoundQueue
 from rollout.pool.transfer import PoolTransfer
 from rollout.sampling_params import SamplingParams
 
@@ -80,6 +82,7 @@ class RolloutPool:
         self.sleep_replicas = None if sleep_replicas is None else pool_sleep.check_indices(
             sleep_replicas, replicas, "sleep_replicas")
         self.ray = ray_setup.init(address, num_cpus=replicas * cpus_per_replica + 1)
+        ray_setup.check_gpus(self.ray, replicas, gpus_per_replica)
         self.address = address
         self.engine_factory, self.torch_threads = engine_factory, torch_threads
         self.max_inflight_seqs = max_inflight_seqs
@@ -99,6 +102,7 @@ class RolloutPool:
         self.last_round: dict[str, Any] = {}
         self.failures: list[dict[str, Any]] = []  # every replica death seen, all rounds
         self.members: list[_Member] = []
+        self._rounds = RoundQueue(self)  # the step surface: add_request / step / abort
         self.transfer = PoolTransfer(self, transfer_timeout_s)
         try:
             for i in range(replicas):
@@ -197,6 +201,20 @@ class RolloutPool:
         for i, out in self.generate_iter(prompts, sampling_params):
             results[i] = out
         return results  # type: ignore[return-value]
+
+    # The step surface (SteppedBackend): a round of queued requests, one finished group per step().
+    def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        return self._rounds.add_request(prompt, sampling_params, request_id)
+
+    def step(self) -> list[RequestOutput]:
+        return self._rounds.step()
+
+    def abort(self, request_id: str) -> None:
+        self._rounds.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self._rounds.has_unfinished_requests()
 
     def generate_iter(self, prompts: Any, sampling_params: Any = None) -> Iterator[tuple[int, RequestOutput]]:
         """(input index, RequestOutput) as groups finish: each group exactly once, whatever replicas die."""
@@ -373,9 +391,10 @@ class RolloutPool:
 
     def get_stats(self) -> EngineStats:
         """``Engine.get_stats``'s shape over the pool: counters summed, KV usage and GPU busy averaged."""
-        replicas = [r for r in self.stats()["replicas"] if r.get("alive", True)]
+        pool = self.stats()
+        replicas = [r for r in pool["replicas"] if r.get("alive", True)]
         k = max(len(replicas), 1)
-        averaged = ("kv_cache_usage", "gpu_busy_frac", "gpu_compute_s", "policy_version")
+        averaged = ("kv_cache_usage", "gpu_busy_frac", "gpu_compute_s", "policy_version", "pool")
         summed = {f.name: sum(r.get(f.name) or 0 for r in replicas) for f in fields(EngineStats)
                   if f.name not in averaged}
         busy = [r["gpu_busy_frac"] for r in replicas if r.get("gpu_busy_frac") is not None]
@@ -384,8 +403,27 @@ class RolloutPool:
             kv_cache_usage=sum(r["kv_cache_usage"] for r in replicas) / k,
             gpu_busy_frac=sum(busy) / len(busy) if busy else None,
             gpu_compute_s=sum(compute) / len(compute) if compute else None,  # mean: a window's busy stays <= 1
-            policy_version=self.policy_version, **summed,
+            policy_version=self.policy_version, pool=pool, **summed,
         )
+
+    @property
+    def limits(self) -> BackendLimits:
+        """The smallest replica's limits (every group must fit wherever it is sent)."""
+        infos = [m.info for m in self.members if m.info]
+        if not infos:
+            raise RuntimeError("the pool has no started replica")
+        return BackendLimits(min(i["max_model_len"] for i in infos), min(i["vocab_size"] for i in infos),
+                             min(i["max_num_seqs"] for i in infos), min(i["kv_cache_tokens"] for i in infos),
+                             replicas=len(self.members))
+
+    def describe(self) -> dict[str, Any]:
+        factory = self.engine_factory
+        return {**dict(getattr(factory, "options", {}) or {}), "dtype": getattr(factory, "dtype", None),
+                "pool_replicas": len(self.members), "pool_address": self.address,
+                "replica_devices": [m.info.get("device") if m.info else None for m in self.members]}
+
+    def close(self) -> None:
+        self.shutdown()
 
     def shutdown(self) -> None:
         self.transfer.close()

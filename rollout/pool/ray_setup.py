@@ -32,6 +32,18 @@ def init(address: str, num_cpus: float) -> Any:
     return ray
 
 
+def check_gpus(ray: Any, replicas: int, gpus_per_replica: float) -> None:
+    """Fail now, not by waiting for ever, when Ray has fewer GPUs than the replicas ask for."""
+    if not gpus_per_replica:
+        return
+    have = ray.cluster_resources().get("GPU", 0)
+    if have < replicas * gpus_per_replica:
+        raise ValueError(
+            f"pool.gpus_per_replica={gpus_per_replica:g} x pool.replicas={replicas} needs "
+            f"{replicas * gpus_per_replica:g} GPUs but the Ray cluster has {have:g}; set pool.gpus_per_replica=0 "
+            "to run the replicas on the CPU")
+
+
 def driver_address(address: str) -> str:
     """Where replicas reach this process's weight-group store: loopback on one machine, else our node IP."""
     if address == "local":

@@ -66,7 +66,9 @@ class Replica:
         """What the pool needs to schedule onto this replica (capacity in sequences) and its version."""
         e = self.engine
         return {"index": self.index, "max_num_seqs": e.config.max_num_seqs, "policy_version": e.policy_version,
-                "device": str(e.device), "num_blocks": e.num_blocks, "pid": os.getpid(), "node_id": _node_id(),
+                "device": str(e.device), "num_blocks": e.num_blocks,
+                "max_model_len": e.max_model_len, "vocab_size": e.limits.vocab_size,
+                "kv_cache_tokens": e.limits.kv_cache_tokens, "pid": os.getpid(), "node_id": _node_id(),
                 "device_uuid": gpu_uuid(e.device) if e.device.type == "cuda" else None}
 
     def stats(self) -> dict[str, Any]:

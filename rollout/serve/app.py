@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -51,7 +52,7 @@ def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str
         s = state(request)
         card = {"id": s.model_name, "object": "model", "created": int(time.time()), "owned_by": "rollout",
                 "root": s.model_path or s.model_name, "max_model_len": s.engine.max_model_len,
-                "policy_version": s.engine.policy_version}
+                "policy_version": s.engine.policy_version, "limits": dataclasses.asdict(s.engine.limits)}
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")

@@ -1,7 +1,8 @@
 """The server's configuration: the main job's model / engine / sampling groups plus ``server``.
 
-Mirrored by conf/serve.yaml and conf/server/default.yaml; built from a plain dict so Hydra stays in
-scripts/. The job's own section parsers are reused, so a key means (and is checked) the same everywhere.
+Mirrored by rollout/conf/serve.yaml and rollout/conf/server/default.yaml; built from a plain dict so Hydra stays in
+the entry points (rollout/cli). The job's own section parsers are reused, so a key means (and is checked) the same
+everywhere.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 pytest.importorskip("trl")
 pytest.importorskip("hydra")
 
-from tests.script_helpers import compose, load_script  # noqa: E402
+from rollout.cli import train_grpo, train_ppo  # noqa: E402
+from tests.script_helpers import compose  # noqa: E402
 
 SMALL = ("sampling.n=4", "sampling.max_tokens=64", "data.num_prompts=4", "logger.wandb.mode=disabled",
          "train.torch_threads=null", "train.steps=3")
@@ -22,7 +23,7 @@ def _lines(out):
 
 
 def test_grpo_co_located_on_gpu(tmp_path):
-    out = load_script("train_grpo").run(compose(
+    out = train_grpo.run(compose(
         "train_grpo", f"output_dir={tmp_path}", f"model.cache_dir={tmp_path / 'cache'}", "train.sleep_level=1",
         "engine=h200", "engine.gpu_memory_utilization=0.3", "engine.max_num_seqs=16", *SMALL))
     lines = _lines(out)
@@ -36,7 +37,7 @@ def test_grpo_co_located_on_gpu(tmp_path):
 
 
 def test_ppo_on_gpu(tmp_path):
-    out = load_script("train_ppo").run(compose(
+    out = train_ppo.run(compose(
         "train_ppo", f"output_dir={tmp_path}", f"model.cache_dir={tmp_path / 'cache'}", "train.sleep_level=1",
         "engine=h200", "engine.gpu_memory_utilization=0.3", "engine.max_num_seqs=16", *SMALL))
     for x in _lines(out):

@@ -1,22 +1,19 @@
-"""Console entry points (``[project.scripts]`` in pyproject.toml): the Hydra scripts in ``scripts/`` as commands.
+"""The console entry points (``[project.scripts]`` in pyproject.toml) and what they share.
 
-``rollout-run``, ``rollout-train-grpo``, ``rollout-train-ppo`` and ``rollout-serve`` each run their script
-as ``__main__`` (so Hydra finds ``conf/`` next to it and names the log file after it), without touching
-``sys.path``. The scripts and ``conf/`` live in the source tree, so the commands need the project installed
-from a checkout (``pip install -e .``, which ``make`` does).
+``rollout-serve``, ``rollout-train-grpo`` and ``rollout-train-ppo`` are ``main`` of ``rollout.cli.serve``,
+``rollout.cli.train_grpo`` and ``rollout.cli.train_ppo`` (``rollout-run``: ``rollout.job.main``); each
+composes its Hydra config from ``rollout/conf/`` (package data, so a non-editable install works too) and
+``run(cfg)`` does the work. ``scripts/*.py`` are one-line wrappers of the same ``main``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import runpy
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 USER_ERRORS = (ValueError, FileNotFoundError)  # what a user can get wrong: `error: ...` and exit 2
 
 
@@ -53,26 +50,3 @@ def quiet_progress_bars() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-
-def _run_script(name: str) -> None:
-    path = SCRIPTS / f"{name}.py"
-    if not path.is_file():
-        sys.exit(f"error: {path} is missing: the rollout-* commands run the scripts of a source checkout; "
-                 "install the project with `pip install -e .` from the repository")
-    runpy.run_path(str(path), run_name="__main__")
-
-
-def run() -> None:
-    _run_script("rollout")
-
-
-def train_grpo() -> None:
-    _run_script("train_grpo")
-
-
-def train_ppo() -> None:
-    _run_script("train_ppo")
-
-
-def serve() -> None:
-    _run_script("serve")

@@ -1,10 +1,9 @@
-"""An ``Engine``-shaped step surface over a ``RolloutPool``, so the main job's actor drives a pool unchanged.
+"""The pool's step surface (``SteppedBackend``): queued requests become one round over the replicas.
 
-``RolloutActor`` queues a round with ``add_request`` and calls ``step()`` until every request came
+The job's round driver queues a round with ``add_request`` and calls ``step()`` until every request came
 back. Here the queued requests become one ``RolloutPool.generate_iter`` call on the first ``step()``,
-and each later ``step()`` returns the next finished group (under the id it was queued with).
-``get_stats`` sums the replicas' counters (KV usage and GPU busy are averaged), so the round's
-metrics keep their meaning. Requests are added between rounds only, as the actor does.
+and each later ``step()`` returns the next finished group (under the id it was queued with). Requests
+are added between rounds only, as the driver does.
 """
 
 from __future__ import annotations
@@ -13,23 +12,17 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from rollout.engine.stats import EngineStats
 from rollout.outputs import RequestOutput
 from rollout.sampling_params import SamplingParams
 
 
-class PoolEngine:
+class RoundQueue:
     def __init__(self, pool: Any) -> None:
         self.pool = pool
-        self.tokenizer = None  # outputs carry their text when the replicas' engines have a tokenizer
         self._queued: dict[str, tuple[Any, SamplingParams | None]] = {}
         self._ids: list[str] = []
         self._iter: Iterator[tuple[int, RequestOutput]] | None = None
         self._left = 0
-
-    @property
-    def policy_version(self) -> int:
-        return self.pool.policy_version
 
     def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -75,12 +68,3 @@ class PoolEngine:
                 pass
             self._iter = None
         return [out]
-
-    def generate(self, prompts: Any, sampling_params: Any = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        return self.pool.generate(prompts, sampling_params)
-
-    def update_weights(self, named_tensors: Any, version: int | None = None, recompute_running: bool = True) -> int:
-        return self.pool.update_weights(named_tensors, version=version, recompute_running=recompute_running)
-
-    def get_stats(self) -> EngineStats:
-        return self.pool.get_stats()
