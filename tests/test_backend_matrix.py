@@ -17,8 +17,9 @@ import torch
 
 from rollout import ContinuousBackend, Engine, RolloutBackend, SamplingParams, SteppedBackend
 from rollout.assets import materialize_default_model
+from rollout.job.main import run
 from rollout.pool import EngineFactory
-from tests.script_helpers import compose, load_script
+from tests.script_helpers import compose
 from tests.serve_helpers import Server
 
 OPTIONS = dict(max_model_len=256, num_blocks=96, block_size=16, max_num_seqs=16)
@@ -180,11 +181,10 @@ def test_the_main_job_drives_only_stepped_backends(backends):
 
 # ---- the main job: pool.replicas=2 writes pool.replicas=1's rows ------------------------------------------
 def _job_rows(cache, out, *overrides):
-    script = load_script("rollout")
     cfg = compose("config", f"output_dir={out}", f"model.cache_dir={cache}", "logger.wandb.mode=disabled",
                   "sampling.temperature=0", "sampling.max_tokens=6", f"sampling.n={N}", "data.num_prompts=4",
                   "rollout.rounds=2", "model.dtype=float32", *overrides)
-    script.run(cfg)
+    run(cfg)
     table = pq.read_table(out / "trajectories").to_pylist()
     return sorted((r["round"], r["group_id"], r["sample_index"], r["completion_ids"],
                    [round(x, 4) for x in r["logprobs"]], r["policy_version"]) for r in table)

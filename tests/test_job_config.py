@@ -88,6 +88,8 @@ def test_round_trip() -> None:
         ("rollout.max_staleness=1", "rollout.max_staleness=1 is invalid: must be null with rollout.mode=drain"),
         ("rollout.stale_groups=keep", "rollout.stale_groups='keep' is invalid: must be one of ['drop', 'regen"),
         ("rollout.recompute_running=1", "rollout.recompute_running=1 is invalid: must be true or false"),
+        (f"sampling.seed={2**64 + 5}", f"sampling.seed={2**64 + 5} is invalid: must be an int in [0, 2**64) or null"),
+        ("sampling.seed=-1", "sampling.seed=-1 is invalid: must be an int in [0, 2**64) or null"),
     ],
 )
 def test_bad_values_name_key_value_and_range(override: str, needle: str) -> None:

@@ -39,7 +39,7 @@ def test_rounds_are_separate_files_read_as_one_table(tmp_path: Path) -> None:
     assert len(hf) == 12 and hf[0]["completion_ids"] == [3, 4, 5]
     assert read_trajectories(tmp_path).column("group_id").to_pylist() == [g for g in range(6) for _ in (0, 1)]
     again = TrajectoryWriter(tmp_path, with_reward=True)
-    assert again.resume() == 3 and again.num_rows == 12  # from the files' metadata, no rows read
+    assert again.resume() == 3 and again.num_rows == 12
     (tmp_path / "trajectories" / "round_00001.parquet").unlink()
     with pytest.raises(ValueError, match=r"holds rounds \[0, 2\], expected 0..k without gaps"):
         TrajectoryWriter(tmp_path, with_reward=True).resume()
@@ -110,3 +110,52 @@ def test_request_seeds_depend_on_job_round_and_group() -> None:
     assert len(seeds) == 24 and all(0 <= x < 2**63 for x in seeds)
     assert request_seed(5, 1, 2) == request_seed(5, 1, 2)  # a pure function: a resume gets the same
     assert json.loads(json.dumps(request_seed(5, 1, 2))) == request_seed(5, 1, 2)
+    assert request_seed(2**64 - 1, 0, 0) != request_seed(2**63 - 1, 0, 0)
+    for bad in (2**64 + 5, -1):  # never reduced to a seed in range (2**64 + 5 would repeat 5's requests)
+        with pytest.raises(ValueError, match=rf"job seed {bad} is invalid: must be an int in \[0, 2\*\*64\)"):
+            request_seed(bad, 0, 0)
+
+
+def _rounds(writer: TrajectoryWriter, n: int) -> None:
+    for r in range(n):
+        writer.write_round(r, [traj(r, r, i) for i in range(2)], {"round": r, "x": r * 10}, {"next_group": r + 1})
+
+
+def test_metrics_line_lost_in_a_crash_after_the_rename_is_rebuilt(tmp_path: Path) -> None:
+    """The round file carries its metrics line: a crash between the rename and the append loses nothing."""
+    writer = TrajectoryWriter(tmp_path, with_reward=True)
+    _rounds(writer, 2)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "metrics.jsonl").write_text(lines[0] + "\n" + lines[1][:7])  # round 1's line torn by a crash
+    again = TrajectoryWriter(tmp_path, with_reward=True)
+    assert again.resume() == 2 and again.state == {"next_group": 2}
+    assert [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        {"round": 0, "x": 0}, {"round": 1, "x": 10}]
+
+
+def test_disk_full_is_a_value_error_naming_the_file(tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    import pyarrow.parquet as pq
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    writer = TrajectoryWriter(tmp_path, with_reward=True)
+    monkeypatch.setattr(pq, "write_table", full)
+    with pytest.raises(ValueError, match=r"cannot write .*round_00000.parquet: no space left on device"):
+        _rounds(writer, 1)
+    assert not list((tmp_path / "trajectories").iterdir())  # no temporary left behind
+
+
+@pytest.mark.parametrize("where", ["middle", "footer"])
+def test_a_damaged_round_file_is_named_on_resume(tmp_path: Path, where: str) -> None:
+    _rounds(TrajectoryWriter(tmp_path, with_reward=True), 3)
+    path = tmp_path / "trajectories" / "round_00001.parquet"
+    data = bytearray(path.read_bytes())
+    at = len(data) // 3 if where == "middle" else len(data) - 12
+    for i in range(at, at + 4):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"{path} is corrupt"):
+        TrajectoryWriter(tmp_path, with_reward=True).resume()

@@ -136,6 +136,21 @@ def test_exactly_once_over_5_rounds_with_pushes_and_a_crash(tmp_path: Path) -> N
     assert any(row["min_policy_version"] < row["max_policy_version"] for row in table)  # spans a push
 
 
+def test_resumed_groups_keep_the_seeds_of_the_round_that_admitted_them() -> None:
+    first = FakeEngine(length=long_tail)
+    actor = partial_actor(first)
+    for _ in range(2):
+        actor.run_round()
+    state = actor.state()
+    seeds = {int(rid.split("group")[1]): params.seed for rid, _, params in first.added}
+    assert state["inflight_groups"] and set(map(int, state["admitted"])) == set(state["inflight_groups"])
+    again = FakeEngine(length=long_tail)
+    partial_actor(again, start_round=2, state=state).run_round()
+    resubmitted = {int(rid.split("group")[1]): params.seed for rid, _, params in again.added}
+    for g in state["inflight_groups"]:
+        assert resubmitted[g] == seeds[g] == request_seed(1, state["admitted"][str(g)], g)
+
+
 def test_tail_batch_size_is_the_last_tenth_of_the_round() -> None:
     steps = [(0.1 * i, 64 if i < 9 else 4) for i in range(1, 11)]  # steps ending at 0.1 .. 1.0 s
     assert tail_batch_size(steps, 0.0, 1.0) == 4  # only the step ending at 1.0 is in [0.9, 1.0]
@@ -148,7 +163,8 @@ def test_drain_is_unchanged_by_partial_mode_bookkeeping() -> None:
     actor = RolloutActor(engine, ids_dataset(), SamplingParams(n=N, max_tokens=20), 3, seed=1)
     res = [actor.run_round() for _ in range(3)]
     assert [t.group_id for r in res for t in r.trajectories] == [g for g in range(9) for _ in range(N)]
-    assert not engine.requests and actor.state() == {"next_group": 9, "inflight_groups": []}
+    assert not engine.requests and actor.state() == {"next_group": 9, "inflight_groups": [], "admitted": {},
+                                              "policy_version": 0}
     assert all(r.metrics["carried_over_groups"] == 0 for r in res)
     with pytest.raises(ValueError, match="mode must be one of"):
         RolloutActor(engine, ids_dataset(), SamplingParams(), 1, mode="eager")

@@ -15,12 +15,12 @@ import torch
 from safetensors.torch import save_file
 
 from rollout.assets import materialize_default_model
+from rollout.job import main as script
 from rollout.job.trajectory_writer import read_trajectories
-from tests.script_helpers import ROOT, compose, load_script
+from tests.script_helpers import ROOT, compose
 
 SCRIPT = ROOT / "scripts" / "rollout.py"
 TINY = ["sampling.max_tokens=3", "logger.progress=false"]
-script = load_script("rollout")
 
 
 @pytest.fixture(scope="session")
@@ -347,3 +347,47 @@ def test_wandb_gets_histograms_not_dicts(tmp_path: Path) -> None:
     logger.log_round({"round": 3, "staleness_hist": {"0": 2}, "dropped_groups": 1, "gpu_busy_frac": None},
                      {"staleness": [0, 0, 1], "completion_len": []})
     assert logged == [{"round": 3, "round/dropped_groups": 1, "round/staleness_hist": ("hist", [0, 0, 1])}]
+
+
+@pytest.mark.parametrize("inflight", [3, 5])
+def test_partial_mode_resume_repeats_the_uninterrupted_run(cache_dir: Path, tmp_path: Path, inflight: int) -> None:
+    """Stopped after round 2 and resumed to round 4, partial mode writes what an uninterrupted 4-round run
+    writes, row for row: the groups in flight at the stop are regenerated with their own seeds."""
+    args = ("rollout.mode=partial", f"rollout.max_inflight_groups={inflight}", "data.num_prompts=2", "sampling.n=2",
+            "rollout.rounds=4", "rollout.reward=null", "sampling.seed=7", "sampling.max_tokens=6")
+    full = run_composed(tmp_path / "full", cache_dir, *args)
+    stopped = tmp_path / "stopped"
+    run_crashing_in_round(2, stopped, cache_dir, *args)
+    run_composed(stopped, cache_dir, *args, "rollout.resume=true")
+    assert rows(stopped) == rows(full)
+
+
+@pytest.mark.parametrize("wandb", ["disabled", "offline"])
+def test_a_failing_first_round_leaves_output_dir_as_it_was(cache_dir: Path, tmp_path: Path, wandb: str) -> None:
+    """No config.json (nor W&B run) before the first round is written: the rerun starts, fresh or resumed."""
+    out = tmp_path / "o"
+    args = ("rollout.rounds=1", "data.num_prompts=2", f"logger.wandb.mode={wandb}")
+    run_crashing_in_round(0, out, cache_dir, *args)
+    assert not [p.name for p in out.iterdir() if not p.name.startswith(".")]
+    run_crashing_in_round(0, out, cache_dir, *args, "rollout.resume=true")
+    assert not [p.name for p in out.iterdir() if not p.name.startswith(".")]
+    run_composed(out, cache_dir, *args)
+    assert len(rows(out)) == 2 * 4 and (out / "config.json").is_file()
+
+
+def test_disk_full_is_a_user_error_and_the_rerun_starts(cache_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """main() prints `error: ...` and exits 2 for a ValueError: a full disk is one, naming the file."""
+    import errno
+
+    import pyarrow.parquet as pq
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    out = tmp_path / "o"
+    with monkeypatch.context() as m:
+        m.setattr(pq, "write_table", full)
+        with pytest.raises(ValueError, match=r"cannot write .*round_00000.parquet: no space left on device"):
+            run_composed(out, cache_dir, "rollout.rounds=1", "data.num_prompts=2")
+    run_composed(out, cache_dir, "rollout.rounds=1", "data.num_prompts=2")
+    assert len(rows(out)) == 2 * 4

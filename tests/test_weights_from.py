@@ -135,3 +135,39 @@ def engine_params():
     from rollout.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=2)
+
+
+def test_snapshot_steps_out_of_range_or_going_back_are_refused(tmp_path: Path) -> None:
+    """Versions are ints in [0, 2**63) that never decrease: refused naming the value before a round runs."""
+    huge = tmp_path / "huge"
+    (huge / f"step_{2**63}").mkdir(parents=True)
+    (huge / f"step_{2**63}" / COMPLETE).write_text("")
+    with pytest.raises(ValueError, match=rf"has step {2**63}; policy versions must be ints in \[0, 2\*\*63\)"):
+        SnapshotWatcher(huge).newest()
+    back = tmp_path / "back"
+    (back / "step_3").mkdir(parents=True)
+    (back / "step_3" / COMPLETE).write_text("")
+    assert SnapshotWatcher(back, floor=3).newest()[0] == 3  # a resume reloads the weights it had
+    with pytest.raises(ValueError, match="reach policy_version 5, but the newest complete snapshot is step_3"):
+        SnapshotWatcher(back, floor=5).newest()
+    with pytest.raises(ValueError, match="reach policy_version 5, but the newest complete snapshot is none"):
+        SnapshotWatcher(tmp_path / "empty", floor=5).newest()
+
+
+def test_resume_refuses_snapshots_older_than_the_rounds_written(
+    cache_dir: Path, tmp_path: Path, monkeypatch  # noqa: F811
+) -> None:
+    from rollout.assets import materialize_default_model
+    from rollout.job.actor import RolloutActor
+
+    base = materialize_default_model(cache_dir)
+    snaps = tmp_path / "snapshots"
+    snaps.mkdir()
+    write_snapshot(perturbed(base, 1), snaps, 5)
+    args = (f"rollout.weights_from={snaps}", "data.num_prompts=2", "sampling.n=2")
+    out = run_composed(tmp_path / "o", cache_dir, *args, "rollout.rounds=1")
+    assert {t["policy_version"] for t in rows(out)} == {5}
+    os.rename(snaps / "step_5", snaps / "step_2")  # the trainer's directory now holds an older step only
+    monkeypatch.setattr(RolloutActor, "run_round", lambda self: pytest.fail("generation started"))
+    with pytest.raises(ValueError, match="reach policy_version 5, but the newest complete snapshot is step_2"):
+        run_composed(out, cache_dir, *args, "rollout.rounds=2", "rollout.resume=true")

@@ -12,7 +12,8 @@ Two modes:
   continuing under whatever weights arrive between rounds (each token records its ``policy_version``).
   A group is handed out only when all ``n`` samples have finished; one whose oldest token is more than
   ``max_staleness`` versions behind the current weights is dropped or regenerated. ``state()`` names
-  the groups not yet handed out, so a resume regenerates exactly those: every group is written once.
+  the groups not yet handed out and the round that admitted each, so a resume regenerates exactly those,
+  with the seeds they had: every group is written once, and as the uninterrupted run wrote it.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class _Group:
     group_id: int  # stream position
     prompt: Prompt
     request_id: str
+    round: int  # the round that admitted it: its seed derives from it
     output: Any = None  # the finished RequestOutput
 
 
@@ -101,9 +103,11 @@ class RolloutActor:
         self._ready: list[_Group] = []  # finished, waiting to be handed out
         self._next_group = start_round * num_prompts  # the next fresh stream position
         self._regenerate: list[int] = []  # stream positions to submit (again) before fresh ones
+        self._admitted: dict[int, int] = {}  # resumed group -> the round that admitted it before the stop
         if state is not None and mode == "partial":
             self._next_group = int(state["next_group"])
             self._regenerate = sorted(int(g) for g in state["inflight_groups"])
+            self._admitted = {int(g): int(r) for g, r in state.get("admitted", {}).items()}
         self._in_round = False
         self.copy_bandwidth = copy_bandwidth
         self._awaiting_first: dict[str, float] = {}  # request id -> submission time, in submission order
@@ -123,9 +127,15 @@ class RolloutActor:
         return {rid: g.group_id for rid, g in self._running.items()}
 
     def state(self) -> dict[str, Any]:
-        """What a resume needs: the next fresh position and every group started but not handed out."""
-        pending = [g.group_id for g in [*self._running.values(), *self._ready]] + self._regenerate
-        return {"next_group": self._next_group, "inflight_groups": sorted(pending)}
+        """What a resume needs: the next fresh position, every group started but not handed out and the round
+        that admitted each still running or finished (one waiting to be regenerated is admitted anew), and the
+        policy version reached (a resume never goes below it)."""
+        admitted = {g.group_id: g.round for g in [*self._running.values(), *self._ready]}
+        admitted.update((g, self._admitted[g]) for g in self._regenerate if g in self._admitted)
+        pending = sorted([*admitted, *(g for g in self._regenerate if g not in admitted)])
+        return {"next_group": self._next_group, "inflight_groups": pending,
+                "admitted": {str(g): admitted[g] for g in sorted(admitted)},
+                "policy_version": self.engine.policy_version}
 
     def update_weights(
         self, named_tensors: Iterable[tuple[str, Any]] | dict[str, Any], version: int | None = None
@@ -172,9 +182,10 @@ class RolloutActor:
         try:
             for g in positions:
                 prompt = self.dataset.get(g)
-                rid = f"round{r}-group{g}"
-                self.engine.add_request(list(prompt.token_ids), self._params(r, g), rid)
-                self._running[rid] = _Group(g, prompt, rid)
+                admitted = self._admitted.pop(g, r)  # a resumed group keeps the round (and seed) it had
+                rid = f"round{admitted}-group{g}"
+                self.engine.add_request(list(prompt.token_ids), self._params(admitted, g), rid)
+                self._running[rid] = _Group(g, prompt, rid, admitted)
                 self._awaiting_first[rid] = time.perf_counter()
         except Exception:
             self._withdraw_all()

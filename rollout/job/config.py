@@ -85,7 +85,7 @@ class SamplingConfig:
             fail("sampling.stop", self.stop, "a list of non-empty strings")
         check_bool("sampling.ignore_eos", self.ignore_eos)
         if self.seed is not None:
-            check_int("sampling.seed", self.seed, allowed="an int or null")
+            check_int("sampling.seed", self.seed, 0, 2**64 - 1, "an int in [0, 2**64) or null")
         check_choice("sampling.logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
 
     def to_params(self) -> SamplingParams:

@@ -20,5 +20,8 @@ def new_job_seed() -> int:
 
 
 def request_seed(job_seed: int, round_: int, group: int) -> int:
+    """A 63-bit hash of the three (never a job seed reduced to fewer bits: two seeds never share their requests')."""
+    if isinstance(job_seed, bool) or not isinstance(job_seed, int) or not 0 <= job_seed < 2**64:
+        raise ValueError(f"job seed {job_seed!r} is invalid: must be an int in [0, 2**64) (sampling.seed)")
     digest = hashlib.blake2b(f"{job_seed}:{round_}:{group}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << SEED_BITS) - 1)

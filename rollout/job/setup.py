@@ -2,8 +2,9 @@
 
 A refused run must leave output_dir as it found it (apart from the lock file), so the rerun with the
 corrected setting is a fresh start: the previous run's state is read, the model, tokenizer, dataset and
-engine are loaded and every prompt is checked against the engine's limits, and only then does the job
-write config.json. These helpers do the reading and loading; ``scripts/rollout.py`` orders them.
+engine are loaded and every prompt is checked against the engine's limits, and the job writes config.json
+only with its first round (a first round that fails is forgotten too). These helpers do the reading and
+loading; ``rollout.job.main`` orders them.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ layout (``model.safetensors`` or shards + index, ``config.json``), each complete
 Before each round the job loads the newest complete snapshot it has not loaded yet, through
 ``update_weights`` (every name, shape and value validated before anything is copied), and the round's
 tokens then carry ``policy_version = N``. Older snapshots that were skipped over are never loaded.
+N must be below 2**63 (versions are int64 in the round files), and a resumed job's versions never go back
+below those of the rounds already written: either is refused before a round runs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 SNAPSHOT_DIR = re.compile(r"^step_(\d+)$")
 COMPLETE = "COMPLETE"
+MAX_VERSION = 2**63  # policy versions are ints in [0, 2**63)
 
 
 def check_weights_dir(path: str | os.PathLike[str]) -> Path:
@@ -30,22 +33,31 @@ def check_weights_dir(path: str | os.PathLike[str]) -> Path:
 
 
 class SnapshotWatcher:
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], floor: int = 0) -> None:
+        """``floor``: the policy version the rounds already written reached (a resume); never go below it."""
         self.root = check_weights_dir(root)
         self.loaded_step: int | None = None
+        self.floor = floor
 
     def newest(self) -> tuple[int, Path] | None:
         """The newest complete snapshot newer than the one loaded last, or None."""
-        if not self.root.is_dir():
-            return None
         best: tuple[int, Path] | None = None
-        for p in self.root.iterdir():
+        for p in self.root.iterdir() if self.root.is_dir() else ():
             m = SNAPSHOT_DIR.match(p.name)
             if m is None or not (p / COMPLETE).is_file():
                 continue
             step = int(m.group(1))
+            if step >= MAX_VERSION:
+                raise ValueError(f"rollout.weights_from: snapshot {str(p)!r} has step {step}; policy versions must "
+                                 "be ints in [0, 2**63)")
             if (self.loaded_step is None or step > self.loaded_step) and (best is None or step > best[0]):
                 best = (step, p)
+        if self.loaded_step is None and self.floor > 0 and (best is None or best[0] < self.floor):
+            raise ValueError(
+                f"rollout.weights_from={str(self.root)!r}: the rounds already written reach policy_version "
+                f"{self.floor}, but the newest complete snapshot is {f'step_{best[0]}' if best else 'none'}; "
+                "policy versions never decrease"
+            )
         return best
 
     def load_newest(self, actor: Any) -> int | None:

@@ -8,11 +8,15 @@ and a reader never sees half a file. The directory reads as one table:
 (both skip the hidden temporaries). The round files are the truth about which rounds are complete: a
 resume keeps exactly their rounds and the metrics lines that belong to them. A round file's metadata
 also carries the actor's state at the round's end (which prompt comes next, which groups were still
-running), so a resume regenerates exactly the groups that were in flight.
+running and the round that admitted each), so a resume regenerates exactly the groups that were in
+flight, with their own seeds, and the round's metrics line, so writing a round and its metrics is one
+atomic step: a resume rebuilds metrics.jsonl from the round files. Pages carry CRC checksums, and a
+resume reads every round file through them, so a damaged one is named rather than resumed from.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -30,6 +34,7 @@ TRAJECTORIES = "trajectories"
 METRICS = "metrics.jsonl"
 CONFIG = "config.json"
 STATE_KEY = b"rollout.state"
+METRICS_KEY = b"rollout.metrics"
 _ROUND_FILE = re.compile(r"^round_(\d+)\.parquet$")
 
 
@@ -81,10 +86,12 @@ class TrajectoryWriter:
             raise ValueError(f"cannot resume: {path} is not valid JSON ({e})") from None
 
     def save_config(self, config: Mapping[str, Any]) -> None:
-        _atomic_write_text(self.dir / CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
+        text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+        self._write(self.dir / CONFIG, lambda p: _atomic_write_text(p, text))
 
     def resume(self) -> int:
-        """Find the complete rounds already written (schemas only, no rows); returns the next round to run."""
+        """Find and check the complete rounds already written, rebuild metrics.jsonl from them; returns the next
+        round to run."""
         if (self.dir / "trajectories.parquet").exists():
             raise ValueError(
                 f"cannot resume: {self.dir} holds trajectories.parquet, the single-file layout of an older "
@@ -97,24 +104,38 @@ class TrajectoryWriter:
                 f"cannot resume: {self.rounds_dir} holds rounds {rounds}, expected 0..k without gaps"
             )
         self.num_rows = 0
-        for r in rounds:
-            meta = pq.read_metadata(files[r])
-            names = meta.schema.to_arrow_schema().names
-            if names != self.schema.names:
-                raise ValueError(
-                    f"cannot resume: {files[r]} has columns {names}, this run writes {self.schema.names}"
-                )
-            self.num_rows += meta.num_rows
-        if rounds:
-            kv = pq.read_schema(files[rounds[-1]]).metadata or {}
-            self.state = json.loads(kv[STATE_KEY]) if STATE_KEY in kv else None
         done = len(rounds)
-        kept: dict[int, dict[str, Any]] = {}
+        lines = {}  # round files of an older version carry no metrics line: keep the appended one
         for m in self._read_metrics():
             if isinstance(m.get("round"), int) and m["round"] < done:
-                kept[m["round"]] = m  # the last line of a round wins (a retried append)
-        _atomic_write_text(self.dir / METRICS, "".join(_line(kept[r]) for r in sorted(kept)))
+                lines[m["round"]] = _line(m)  # the last line of a round wins (a retried append)
+        for r in rounds:
+            f = self._check_round_file(files[r])
+            kv = f.schema_arrow.metadata or {}
+            self.num_rows += f.metadata.num_rows
+            if METRICS_KEY in kv:
+                lines[r] = kv[METRICS_KEY].decode()
+            if r == rounds[-1]:
+                self.state = json.loads(kv[STATE_KEY]) if STATE_KEY in kv else None
+        if lines or (self.dir / METRICS).exists():
+            self._write(self.dir / METRICS, lambda p: _atomic_write_text(p, "".join(lines[r] for r in sorted(lines))))
         return done
+
+    def _check_round_file(self, path: Path) -> pq.ParquetFile:
+        """Read every page of a round file through its checksums (one row group at a time)."""
+        try:
+            f = pq.ParquetFile(path, page_checksum_verification=True)
+            names = f.schema_arrow.names
+            for i in range(f.num_row_groups):
+                f.read_row_group(i)
+        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid / ArrowIOError are both
+            raise ValueError(
+                f"{path} is corrupt ({e}); move it and every later round file away to resume from the round "
+                "before it, or start a new output_dir"
+            ) from None
+        if names != self.schema.names:
+            raise ValueError(f"cannot resume: {path} has columns {names}, this run writes {self.schema.names}")
+        return f
 
     def write_round(
         self,
@@ -123,19 +144,42 @@ class TrajectoryWriter:
         metrics: Mapping[str, Any],
         state: Mapping[str, Any] | None = None,
     ) -> Path:
-        """Write round ``r`` as its own file (it decides what a resume keeps), then its metrics line."""
+        """Write round ``r`` as its own file (it decides what a resume keeps, and carries the metrics line
+        and the actor's state), then append the metrics line (a resume rebuilds it from the file)."""
         table = self._to_table(trajectories)
+        meta = {METRICS_KEY: _line(metrics).encode()}
         if state is not None:
-            table = table.replace_schema_metadata({STATE_KEY: json.dumps(dict(state)).encode()})
-        self.rounds_dir.mkdir(exist_ok=True)
+            meta[STATE_KEY] = json.dumps(dict(state)).encode()
+        table = table.replace_schema_metadata(meta)
         path = self.rounds_dir / round_file_name(r)
         tmp = self.rounds_dir / f".{path.name}.tmp"
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
+
+        def write(_: Path) -> None:
+            self.rounds_dir.mkdir(exist_ok=True)
+            try:
+                pq.write_table(table, tmp, write_page_checksum=True)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+
+        self._write(path, write)
         self.num_rows += table.num_rows
-        with open(self.dir / METRICS, "a") as f:  # one line per round: a torn last line is dropped on resume
-            f.write(_line(metrics))
+
+        def append(p: Path) -> None:
+            with open(p, "a") as f:  # one line per round: a torn last line is rebuilt on resume
+                f.write(_line(metrics))
+
+        self._write(self.dir / METRICS, append)
         return path
+
+    @staticmethod
+    def _write(path: Path, write: Any) -> None:
+        """``write(path)``; a full disk or another failing write is a user error naming the path."""
+        try:
+            write(path)
+        except OSError as e:
+            why = "no space left on device" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+            raise ValueError(f"cannot write {path}: {why}") from None
 
     def _round_files(self) -> dict[int, Path]:
         if not self.rounds_dir.is_dir():

@@ -18,9 +18,10 @@ def test_copy_bandwidth_is_measured_on_cuda_only() -> None:
 
 
 def test_rollout_rounds_report_floor_ratio(tmp_path) -> None:
-    from tests.script_helpers import compose, load_script
+    from rollout.job.main import run
+    from tests.script_helpers import compose
 
-    out = load_script("rollout").run(compose(
+    out = run(compose(
         "config", f"output_dir={tmp_path}", f"model.cache_dir={tmp_path / 'cache'}", "logger.wandb.mode=disabled",
         "rollout.rounds=2", "model.device=cuda",
     ))
