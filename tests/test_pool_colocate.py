@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from rollout import SamplingParams
-from rollout.engine.transfer_group import PushRejected
-from rollout.engine.weight_handles import (
+from rollout.weights.group import PushRejected
+from rollout.weights.handles import (
     SHM_DIR,
     SHM_PREFIX,
     BucketHandle,
@@ -24,7 +24,7 @@ from rollout.engine.weight_handles import (
     export_weights,
     open_weights,
 )
-from rollout.engine.weight_transfer import TensorSpec, WeightReceiver, dtype_name
+from rollout.weights.broadcast import TensorSpec, WeightReceiver, dtype_name
 from rollout.pool import EngineFactory
 from rollout.pool.colocate import TrainerPlace, check_replica, check_source
 from tests.engine_helpers import assert_matches_hf, make_engine

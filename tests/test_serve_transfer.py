@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rollout.engine.transfer_group import PushRejected, TransferGroup, await_verdicts
-from rollout.engine.weight_transfer import (
+from rollout.weights.group import PushRejected, TransferGroup, await_verdicts
+from rollout.weights.broadcast import (
     ALIGN,
     WeightReceiver,
     _pieces,

@@ -26,9 +26,9 @@ from urllib.parse import urlparse
 import torch
 
 from rollout.engine.stats import EngineStats
-from rollout.engine.transfer_group import PushRejected, TransferError, TransferGroup, await_verdicts, cuda_device
+from rollout.weights.group import PushRejected, TransferError, TransferGroup, await_verdicts, cuda_device
 from rollout.engine.validation import normalize_params, normalize_prompts
-from rollout.engine.weight_transfer import BUCKET_BYTES, TensorSpec, dtype_name, send_weights
+from rollout.weights.broadcast import BUCKET_BYTES, TensorSpec, dtype_name, send_weights
 from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.sampling_params import SamplingParams
 from trainer_hooks.weights import HFWeights, normalize_name

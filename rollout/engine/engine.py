@@ -39,7 +39,7 @@ from rollout.engine.validation import (
     normalize_prompts,
     to_token_ids,
 )
-from rollout.engine.weight_sync import WeightSync
+from rollout.weights.apply import WeightSync
 from rollout.layers.backends import make_attention_backend
 from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.sampling_params import SamplingParams

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from rollout.engine.validation import check_lengths, to_token_ids
-from rollout.engine.weight_handles import BucketHandle, cuda_index, gpu_uuid
-from rollout.engine.weight_transfer import BUCKET_BYTES, TensorSpec, WeightReceiver
+from rollout.weights.handles import BucketHandle, cuda_index, gpu_uuid
+from rollout.weights.broadcast import BUCKET_BYTES, TensorSpec, WeightReceiver
 from rollout.outputs import RequestOutput
 from rollout.pool.factory import EngineFactory
 from rollout.sampling_params import SamplingParams

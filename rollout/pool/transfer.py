@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rollout.engine.transfer_group import PushRejected, TransferError, TransferGroup, await_verdicts
-from rollout.engine.weight_handles import export_weights
-from rollout.engine.weight_transfer import BUCKET_BYTES, TensorSpec, dtype_name, send_weights
+from rollout.weights.group import PushRejected, TransferError, TransferGroup, await_verdicts
+from rollout.weights.handles import export_weights
+from rollout.weights.broadcast import BUCKET_BYTES, TensorSpec, dtype_name, send_weights
 from rollout.pool import ray_setup
 from rollout.pool.colocate import check_source
 

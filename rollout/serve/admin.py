@@ -16,8 +16,8 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
 
-from rollout.engine.transfer_group import PushRejected, TransferError
-from rollout.engine.weight_transfer import make_specs
+from rollout.weights.group import PushRejected, TransferError
+from rollout.weights.broadcast import make_specs
 from rollout.models.loader import iter_checkpoint, safetensors_files
 from rollout.serve.errors import APIError, describe_validation
 from rollout.serve.protocol import InitWeightTransfer, UpdateWeights, UpdateWeightsFromDisk

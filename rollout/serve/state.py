@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 
 from rollout.engine.validation import check_lengths, to_token_ids
-from rollout.engine.weight_transfer import WeightReceiver
+from rollout.weights.broadcast import WeightReceiver
 from rollout.job.config import SamplingConfig
 from rollout.serve.engine_loop import EngineLoop
 from rollout.serve.errors import APIError

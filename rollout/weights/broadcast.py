@@ -29,7 +29,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from rollout.engine.transfer_group import PushRejected, TransferError, TransferGroup, cuda_device, post_verdict
+from rollout.weights.group import PushRejected, TransferError, TransferGroup, cuda_device, post_verdict
 
 T = TypeVar("T")
 BUCKET_BYTES = 1 << 30
@@ -255,7 +255,7 @@ class WeightReceiver:
     def receive_handles(self, specs: list[TensorSpec], handles: list, apply: Callable[[list], T]) -> T:
         """A co-located push (``weight_handles``): the same metadata check as a broadcast's, then ``apply`` (the
         engine's ``update_weights``) on views of the trainer's buckets, which are unmapped before returning."""
-        from rollout.engine.weight_handles import open_weights
+        from rollout.weights.handles import open_weights
 
         with self._exclusive():
             error = self._check(specs, BUCKET_BYTES)

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from rollout.engine.transfer_group import cuda_device
-from rollout.engine.weight_transfer import (
+from rollout.weights.group import cuda_device
+from rollout.weights.broadcast import (
     ALIGN,
     BUCKET_BYTES,
     TensorSpec,
