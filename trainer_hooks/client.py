@@ -192,7 +192,8 @@ class RolloutClient:
             if self.sender.group is None:
                 self.init_weight_transfer(_device_of(weights))
             try:
-                return int(self.sender.send(specs, weights, version, recompute_running, bucket_bytes).result()["policy_version"])
+                answer = self.sender.send(specs, weights, version, recompute_running, bucket_bytes)
+                return int(answer.result()["policy_version"])
             except ServerError as e:
                 if e.status != 409 or attempt:
                     raise
