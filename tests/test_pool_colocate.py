@@ -14,6 +14,9 @@ import pytest
 import torch
 
 from rollout import SamplingParams
+from rollout.pool import EngineFactory
+from rollout.pool.colocate import TrainerPlace, check_replica, check_source
+from rollout.weights.broadcast import TensorSpec, WeightReceiver, dtype_name
 from rollout.weights.group import PushRejected
 from rollout.weights.handles import (
     SHM_DIR,
@@ -24,9 +27,6 @@ from rollout.weights.handles import (
     export_weights,
     open_weights,
 )
-from rollout.weights.broadcast import TensorSpec, WeightReceiver, dtype_name
-from rollout.pool import EngineFactory
-from rollout.pool.colocate import TrainerPlace, check_replica, check_source
 from tests.engine_helpers import assert_matches_hf, make_engine
 from tests.tiny_models import make_tiny_hf_model, save_tiny_checkpoint
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rollout.weights.group import PushRejected, TransferGroup, await_verdicts
 from rollout.weights.broadcast import (
     ALIGN,
     WeightReceiver,
@@ -19,6 +18,7 @@ from rollout.weights.broadcast import (
     make_specs,
     send_weights,
 )
+from rollout.weights.group import PushRejected, TransferGroup, await_verdicts
 
 
 def _specs(pairs):

@@ -24,10 +24,10 @@ from rollout.distributed.symm_mem import SymmMemSpec, check_symm_mem_start, symm
 from rollout.engine import loading
 from rollout.engine.plan import BatchPlan, SampleResult
 from rollout.engine.tp_workers import TPWorkers, WorkerSpec
-from rollout.weights.apply import WeightSync, _as_source
 from rollout.layers.parallel import check_tp_shapes
 from rollout.models.loader import missing_weights
 from rollout.models.weights import is_ignored
+from rollout.weights.apply import WeightSync, _as_source
 
 
 def start_tensor_parallel(source: object, dtype: str | torch.dtype, device: torch.device,
