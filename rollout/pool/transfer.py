@@ -38,6 +38,11 @@ class PoolTransfer:
         self.version = 0  # what every replica reported after the last push (their engines decide it)
         self.last_push: dict[str, Any] = {}
 
+    @property
+    def group(self) -> Any:
+        """The open ``TransferGroup`` (None: none; the next push opens one)."""
+        return self.sender.group
+
     def invalidate(self) -> None:
         self.close()
 
