@@ -44,7 +44,7 @@ from rollout.pool.dispatch import Dispatcher, Slot
 from rollout.pool.replica import Replica
 from rollout.pool.transfer import PoolTransfer
 from rollout.sampling_params import SamplingParams
-from rollout.weights.names import checked_pairs
+from rollout.weights.names import named_weights
 
 
 @dataclass
@@ -316,7 +316,7 @@ class RolloutPool:
     def update_weights(self, named_tensors: Any, version: int | None = None, recompute_running: bool = True,
                        bucket_bytes: int | None = None) -> int:
         """Broadcast (name, tensor) pairs from this process to every replica; returns the shared new version."""
-        pairs = checked_pairs(named_tensors)  # references, walked by each attempt
+        pairs = list(named_weights(named_tensors))  # references, walked by each attempt
         with self._lock:
             for attempt in (0, 1):
                 self.wait_ready()

@@ -67,7 +67,7 @@ class PoolTransfer:
 
     def push(self, pairs: list[tuple[str, torch.Tensor]], version: int | None, recompute_running: bool,
              bucket_bytes: int | None) -> int:
-        """Send ``pairs`` (``checked_pairs``' references) to every active replica; the version they all reached."""
+        """Send ``pairs`` (references) to every active replica; the version they all reached."""
         pool = self.pool
         bucket_bytes = bucket_bytes or BUCKET_BYTES
         specs = specs_of(pairs)

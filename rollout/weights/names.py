@@ -114,13 +114,3 @@ def named_weights(weights: object) -> Iterable[tuple[str, torch.Tensor]]:
     raise TypeError("weights must be a module, a {name: tensor} mapping or an iterable of (name, tensor) pairs, "
                     f"got {type(weights).__name__}")
 
-
-def checked_pairs(weights: object) -> list[tuple[str, torch.Tensor]]:
-    """``named_weights`` as a list of detached references, each item checked: a sender's metadata pass."""
-    out = []
-    for i, item in enumerate(named_weights(weights)):
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                and isinstance(item[1], torch.Tensor)):
-            raise TypeError(f"update_weights expects (name, tensor) pairs; item {i} is {item!r:.80}")
-        out.append((item[0], item[1].detach()))
-    return out

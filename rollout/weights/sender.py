@@ -28,15 +28,14 @@ class Receivers(Protocol):
     """How a sender reaches its receivers (ranks 1..N): the control messages, never the bytes."""
 
     def join(self, address: str, port: int, world_size: int, backend: str, timeout_s: float) -> Callable[[bool], None]:
-        """Ask every receiver to join the group at ``address:port``; returns ``check(wait)``, which raises a
-        receiver's failure to join (polled while the group forms; ``wait``: block until all have joined)."""
+        """Ask every receiver to join; returns ``check(wait)``: raises a failure to join (``wait``: block for all)."""
 
     def announce(self, specs: list[TensorSpec], push_id: int, bucket_bytes: int, version: int | None,
                  recompute_running: bool) -> Any:
         """Send one push's metadata to every receiver; their pending answers (each one's new version)."""
 
     def alive(self, answers: Any) -> bool:
-        """False once a receiver answered before its verdict (its request failed): stop waiting for it."""
+        """False once a receiver answered before its verdict (its request failed)."""
 
     def refused(self, answers: Any) -> None:
         """Raise the receivers' own reason for a refused (or verdict-less) push, when they have one."""
