@@ -9,6 +9,8 @@ rollout-train-ppo pool.replicas=2 builds for itself (last test).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -123,6 +125,22 @@ def test_gloo_broadcast_reaches_every_replica(pool) -> None:
     with pytest.raises(ValueError, match="q_proj"):
         pool.update_weights(bad, version=8)
     assert [r["policy_version"] for r in pool.stats()["replicas"]] == [7, 7]  # refused: nothing changed
+
+
+def test_the_pool_refuses_a_bad_version_before_any_byte_moves(pool) -> None:
+    """The version rule is Engine.update_weights' (each replica's engine decides, in its metadata verdict):
+    out of [current, 2**63), not an int, or a bool is a ValueError naming the value; nothing changes."""
+    assert pool.policy_version == 7  # test_gloo_broadcast_reaches_every_replica's push
+    other = make_tiny_hf_model("llama", seed=11).named_parameters()
+    pairs = [(n, t.detach()) for n, t in other]
+    for bad in (2**63, -1, True, 1.5, 6):
+        with pytest.raises(ValueError, match=re.escape("in [7, 2**63)") + ".*" + re.escape(f"got {bad!r}")):
+            pool.update_weights(pairs, version=bad)
+    assert pool.policy_version == 7 and [r["policy_version"] for r in pool.stats()["replicas"]] == [7, 7]
+    prompt, greedy = [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for i, m in enumerate(pool.members):  # each replica still serves the seed-7 weights
+        out = pool.ray.get(m.actor.run.remote(f"version-{i}", prompt, greedy))
+        assert_matches_hf(make_tiny_hf_model("llama", seed=7), prompt, out.outputs[0], temperature=0.0, atol=1e-4)
 
 
 def test_killed_replica_loses_no_group(pool, reference) -> None:

@@ -14,19 +14,12 @@ import pytest
 import torch
 
 from rollout import SamplingParams
-from rollout.engine.transfer_group import PushRejected
-from rollout.engine.weight_handles import (
-    SHM_DIR,
-    SHM_PREFIX,
-    BucketHandle,
-    bucket_ranges,
-    cuda_index,
-    export_weights,
-    open_weights,
-)
-from rollout.engine.weight_transfer import TensorSpec, WeightReceiver, dtype_name
 from rollout.pool import EngineFactory
 from rollout.pool.colocate import TrainerPlace, check_replica, check_source
+from rollout.weights.group import PushRejected
+from rollout.weights.handles import SHM_DIR, SHM_PREFIX, BucketHandle, cuda_index, export_weights, open_weights
+from rollout.weights.layout import TensorSpec, bucket_ranges, dtype_name
+from rollout.weights.receiver import WeightReceiver
 from tests.engine_helpers import assert_matches_hf, make_engine
 from tests.tiny_models import make_tiny_hf_model, save_tiny_checkpoint
 
@@ -86,8 +79,7 @@ def test_cuda_handles_need_the_trainers_gpu() -> None:
 def test_receiver_validates_like_update_weights_and_keeps_old_weights() -> None:
     old, new = make_tiny_hf_model("llama", seed=0), make_tiny_hf_model("llama", seed=5)
     engine = make_engine(old, max_model_len=64, num_blocks=32)
-    receiver = WeightReceiver(engine.device, engine.weights.mapper.validate)
-    apply = lambda views: engine.update_weights(views, version=3)  # noqa: E731 - the replica's own call
+    receiver = WeightReceiver(engine)
     before = engine.generate([PROMPT], _greedy())[0].outputs[0]
 
     bad_shape = [(n, t[:1] if n.endswith("k_proj.weight") else t) for n, t in new.named_parameters()]
@@ -97,15 +89,15 @@ def test_receiver_validates_like_update_weights_and_keeps_old_weights() -> None:
         pairs = [(n, t.detach()) for n, t in bad]
         with export_weights(_specs(pairs), pairs, "cpu") as exported:
             with pytest.raises(ValueError, match=why):
-                receiver.receive_handles(_specs(pairs), exported.handles, apply)
+                receiver.receive_handles(_specs(pairs), exported.handles, version=3)
         assert engine.policy_version == 0 and _mapped(os.getpid()) == []
     assert engine.generate([PROMPT], _greedy())[0].outputs[0].token_ids == before.token_ids
     with pytest.raises(PushRejected):  # metadata refused before anything is mapped
-        receiver.receive_handles(_specs([("nope", torch.zeros(1))]), [], apply)
+        receiver.receive_handles(_specs([("nope", torch.zeros(1))]), [], version=3)
 
     pairs = [(n, t.detach()) for n, t in new.named_parameters()]
     with export_weights(_specs(pairs), pairs, "cpu") as exported:
-        assert receiver.receive_handles(_specs(pairs), exported.handles, apply) == 3
+        assert receiver.receive_handles(_specs(pairs), exported.handles, version=3) == 3
     assert _leftovers() == [] and _mapped(os.getpid()) == []
     assert_matches_hf(new, PROMPT, engine.generate([PROMPT], _greedy())[0].outputs[0], atol=1e-4)
 

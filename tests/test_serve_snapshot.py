@@ -56,7 +56,7 @@ def test_never_overwrites_and_cleans_up_a_failed_write(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("trainer_hooks.snapshot.save_file", broken)
+    monkeypatch.setattr("rollout.weights.disk.save_file", broken)
     with pytest.raises(OSError, match="disk full"):
         save_snapshot(model, tmp_path, step=6)
     assert sorted(os.listdir(tmp_path)) == ["step_5"]  # no step_6, no temporary

@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from rollout.engine.transfer_group import PushRejected, TransferGroup, await_verdicts
-from rollout.engine.weight_transfer import (
-    ALIGN,
-    WeightReceiver,
-    _pieces,
-    chunk_bounds,
-    dtype_name,
-    layout,
-    make_specs,
-    send_weights,
-)
+from rollout.weights.broadcast import _pieces, send_weights
+from rollout.weights.group import PushRejected, TransferGroup, await_verdicts
+from rollout.weights.layout import ALIGN, chunk_bounds, dtype_name, layout, make_specs
+from rollout.weights.receiver import WeightReceiver
 
 
 def _specs(pairs):
@@ -61,7 +55,9 @@ def test_bad_metadata_is_named(names, dtypes, shapes, message):
 
 def _pair(check=lambda name, t: None):
     """A connected (trainer group, receiver) over gloo on loopback, made from two threads."""
-    receiver = WeightReceiver("cpu", check)
+    mapper = SimpleNamespace(validate=check)  # the engine's WeightMapper, as far as the receiver asks
+    engine = SimpleNamespace(device=torch.device("cpu"), weights=SimpleNamespace(mapper=mapper))
+    receiver = WeightReceiver(engine)
     joined: list = []
 
     def on_listening(port):
@@ -80,7 +76,7 @@ def _receive(receiver, specs, bucket, push_id):
 
     def run():
         try:
-            box.append(receiver.receive(specs, bucket, push_id))
+            box.append(receiver.receive_views(specs, bucket, push_id))
         except Exception as e:  # noqa: BLE001 - handed to the test
             box.append(e)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -83,6 +84,40 @@ def test_client_generate_equals_engine_generate(env):
             assert a.policy_versions == b.policy_versions == [0] * 5
 
 
+# The trainer-script tests come first: they push versions from 0 (a training run's steps), and a server
+# refuses a version lower than the one it serves.
+def test_train_grpo_against_the_server(env, tmp_path):
+    """rollout-train-grpo rollout.mode=server: GRPOTrainer generating through the server, pushing each step."""
+    out = train_grpo.run(compose(
+        "train_grpo", f"output_dir={tmp_path}", f"model.cache_dir={env.model_dir.parent}", "train.steps=2",
+        "rollout.mode=server", f"rollout.url={env.server.url}", "sampling.n=2", "sampling.max_tokens=4",
+        "data.num_prompts=2", "logger.wandb.mode=disabled",
+    ))
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2] and env.client.policy_version == 1
+
+
+def test_trl_rollout_takes_a_client(env, tmp_path):
+    """TRLRollout(RolloutClient): weights pushed by training step, rows from the server."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(env.model_dir))
+    model = _model(env.model_dir, seed=8)
+    trainer = SimpleNamespace(
+        model=model, processing_class=tok, state=SimpleNamespace(global_step=3),
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+        args=SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=None, max_completion_length=5,
+                             generation_kwargs=None, repetition_penalty=1.0),
+        eos_token_ids=[tok.eos_token_id], chat_template_kwargs={}, tools=None, chat_template=None,
+    )
+    rollout = TRLRollout(env.client)
+    rows = rollout(["1 + 1 =", "1 + 1 =", "7 * 8 ="], trainer)
+    assert env.client.policy_version == 3 and rows["policy_version"] == [3, 3, 3]
+    for p, c, lps in zip(rows["prompt_ids"], rows["completion_ids"], rows["logprobs"]):
+        ref = hf_logprobs(model, p, c)[torch.arange(len(c)), torch.tensor(c)]
+        assert torch.allclose(torch.tensor(lps), ref, atol=1e-4)
+
+
 def test_push_over_gloo_serves_the_new_weights(env):
     new = _model(env.model_dir, seed=1)
     before = env.client.policy_version
@@ -120,13 +155,14 @@ KILLER = """
 import os, sys
 sys.path.insert(0, {root!r})
 from safetensors.torch import load_file
+import rollout.weights.sender as sender
 import trainer_hooks.client as c
 
-real = c.send_weights
+real = sender.send_weights
 def dying(group, specs, tensors, bucket_bytes, on_chunk=None):
     print("sending", flush=True)
     return real(group, specs, tensors, bucket_bytes, on_chunk=lambda k: k == 3 and os._exit(3))
-c.send_weights = dying
+sender.send_weights = dying
 weights = {{n: t * 1.5 for n, t in load_file({weights!r}).items()}}
 c.RolloutClient({url!r}).update_weights(weights, bucket_bytes=65536)
 """
@@ -155,16 +191,36 @@ def test_update_from_disk(env):
     with pytest.raises(RequestRejected, match="no \\*.safetensors"):
         env.client.update_weights_from_disk(str(env.tmp / "empty"))
     new = _model(env.model_dir, seed=4)
-    path = save_snapshot(new, env.tmp, step=7)
-    assert env.client.update_weights_from_disk(str(path)) == 7  # step_<N> becomes version N
+    path = save_snapshot(new, env.tmp, step=70)
+    assert env.client.update_weights_from_disk(str(path)) == 70  # step_<N> becomes version N
     _assert_serves(env, new)
     wrong = _model(env.model_dir, seed=5)
     wrong.model.norm.weight.data = torch.ones(3)  # a tensor that does not fit
-    bad = save_snapshot(wrong, env.tmp, step=8)
+    bad = save_snapshot(wrong, env.tmp, step=80)
     before = _served(env)
     with pytest.raises(RequestRejected, match="model.norm.weight.*shape"):
         env.client.update_weights_from_disk(str(bad))
-    assert _served(env) == before and env.client.policy_version == 7
+    assert _served(env) == before and env.client.policy_version == 70
+
+
+@pytest.mark.parametrize("bad", [2**63, -1, 69])
+def test_versions_out_of_range_or_going_back_are_refused(env, bad):
+    """Engine.update_weights' rule through the server: 400 naming the value and the range, nothing changed,
+    by broadcast (refused in the verdict, before a byte moves) and from disk."""
+    current = env.client.policy_version
+    assert current >= 70
+    before = _served(env)
+    with pytest.raises(RequestRejected, match=re.escape(f"in [{current}, 2**63)") + ".*" + f"got {bad}") as e:
+        env.client.push_weights(_model(env.model_dir, seed=9), version=bad)
+    assert e.value.status == 400
+    with pytest.raises(RequestRejected, match=re.escape(f"in [{current}, 2**63)")) as e:
+        env.client.update_weights_from_disk(str(env.tmp / "step_70"), version=bad)
+    assert e.value.status == 400
+    for wrong_type in (True, 1.5):  # not an int: the schema refuses it (422), as for every field
+        with pytest.raises(RequestRejected, match="version") as e:
+            env.client.update_weights_from_disk(str(env.tmp / "step_70"), version=wrong_type)
+        assert e.value.status == 422
+    assert _served(env) == before and env.client.policy_version == current
 
 
 def test_pause_keep_push_resume_continues_under_the_new_version(env):
@@ -236,35 +292,3 @@ def test_sleep_gives_back_the_push_staging_too(env):
     env.client.wake_up()
     _assert_serves(env, new)
     assert _served(env)[2] == [version] * 6
-
-
-def test_trl_rollout_takes_a_client(env, tmp_path):
-    """TRLRollout(RolloutClient): weights pushed by training step, rows from the server."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(env.model_dir))
-    model = _model(env.model_dir, seed=8)
-    trainer = SimpleNamespace(
-        model=model, processing_class=tok, state=SimpleNamespace(global_step=3),
-        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
-        args=SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=None, max_completion_length=5,
-                             generation_kwargs=None, repetition_penalty=1.0),
-        eos_token_ids=[tok.eos_token_id], chat_template_kwargs={}, tools=None, chat_template=None,
-    )
-    rollout = TRLRollout(env.client)
-    rows = rollout(["1 + 1 =", "1 + 1 =", "7 * 8 ="], trainer)
-    assert env.client.policy_version == 3 and rows["policy_version"] == [3, 3, 3]
-    for p, c, lps in zip(rows["prompt_ids"], rows["completion_ids"], rows["logprobs"]):
-        ref = hf_logprobs(model, p, c)[torch.arange(len(c)), torch.tensor(c)]
-        assert torch.allclose(torch.tensor(lps), ref, atol=1e-4)
-
-
-def test_train_grpo_against_the_server(env, tmp_path):
-    """rollout-train-grpo rollout.mode=server: GRPOTrainer generating through the server, pushing each step."""
-    out = train_grpo.run(compose(
-        "train_grpo", f"output_dir={tmp_path}", f"model.cache_dir={env.model_dir.parent}", "train.steps=2",
-        "rollout.mode=server", f"rollout.url={env.server.url}", "sampling.n=2", "sampling.max_tokens=4",
-        "data.num_prompts=2", "logger.wandb.mode=disabled",
-    ))
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines] == [1, 2] and env.client.policy_version == 1

@@ -4,6 +4,7 @@ prefix-cache invalidation, and in-flight swaps with per-token policy versions (s
 from __future__ import annotations
 
 import copy
+import re
 import threading
 import time
 
@@ -232,8 +233,21 @@ def test_update_weights_refuses_non_iterables(old):
         engine.update_weights(42)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="mapping or an iterable"):
         push_weights(engine, 42)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="version"):
+    with pytest.raises(ValueError, match="version"):
         push_weights(engine, [], version="3")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [2**63, -1, True, 1.5, 4])
+def test_version_rule_refuses_out_of_range_and_going_back(old, new, bad):
+    """Engine.update_weights owns the version: an int (not bool) in [current, 2**63), else ValueError naming
+    the value and the range, nothing copied (4 is lower than the current 5)."""
+    engine = make_engine(old, block_size=8)
+    assert engine.update_weights(new.named_parameters(), version=5) == 5
+    snap = _snapshot(engine)
+    with pytest.raises(ValueError, match=re.escape("in [5, 2**63)") + ".*" + re.escape(f"got {bad!r}")):
+        push_weights(engine, old, version=bad)
+    assert engine.policy_version == 5 and _same_weights(engine, snap)
+    assert engine.update_weights(old, version=5) == 5 and engine.update_weights(old) == 6  # equal: fine; None: +1
 
 
 # ---- prefix cache -------------------------------------------------------------------------------------

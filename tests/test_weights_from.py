@@ -171,3 +171,55 @@ def test_resume_refuses_snapshots_older_than_the_rounds_written(
     monkeypatch.setattr(RolloutActor, "run_round", lambda self: pytest.fail("generation started"))
     with pytest.raises(ValueError, match="reach policy_version 5, but the newest complete snapshot is step_2"):
         run_composed(out, cache_dir, *args, "rollout.rounds=2", "rollout.resume=true")
+
+
+def test_snapshots_stream_one_tensor_at_a_time(tmp_path: Path, monkeypatch) -> None:
+    """The job's reader is the server's (``CheckpointWeights``): each tensor is read from the file and checked
+    by the engine before the next is read, on both passes; never the whole model listed in host memory."""
+    import rollout.models.loader as loader
+    from rollout.weights.disk import CheckpointWeights
+    from tests.engine_helpers import make_engine
+    from tests.tiny_models import make_tiny_hf_model, save_tiny_checkpoint
+
+    old, new = make_tiny_hf_model("llama", seed=0), make_tiny_hf_model("llama", seed=1)
+    save_tiny_checkpoint(new, tmp_path / "step_3", shards=2)
+    (tmp_path / "step_3" / COMPLETE).write_text("")
+    engine = make_engine(old, max_model_len=64)
+    log: list[str] = []
+    real_open, real_validate = loader.safe_open, engine.weights.mapper.validate
+
+    class CountingFile:
+        def __init__(self, f) -> None:
+            self.f = f
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_tensor(self, name):
+            log.append("read")
+            return self.f.get_tensor(name)
+
+    class CountingOpen:
+        def __init__(self, *args, **kwargs) -> None:
+            self.ctx = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            return CountingFile(self.ctx.__enter__())
+
+        def __exit__(self, *exc):
+            return self.ctx.__exit__(*exc)
+
+    def validate(name, tensor):
+        log.append("check")
+        return real_validate(name, tensor)
+
+    monkeypatch.setattr(loader, "safe_open", CountingOpen)
+    monkeypatch.setattr(engine.weights.mapper, "validate", validate)
+    assert SnapshotWatcher(tmp_path).load_newest(engine) == 3 and engine.policy_version == 3
+    n = len(list(new.state_dict()))
+    first_pass = log[: 2 * n]
+    assert first_pass == ["read", "check"] * n, log[:12]  # before: n reads, then n checks (a list)
+    assert log.count("read") == 2 * n  # the copy pass reads again, lazily, instead of holding a list
+    assert isinstance(CheckpointWeights(tmp_path / "step_3").__iter__(), type(x for x in ()))
+    for name, t in new.state_dict().items():
+        assert torch.equal(engine.weights.mapper.resolve(name).dst(), t)

@@ -40,7 +40,7 @@ from rollout.api import ContinuousBackend, RolloutBackend, require_backend
 from rollout.job.staleness import carried_tokens, check_max_staleness, stale_running, too_stale
 from trainer_hooks.engine_metrics import EngineWindow, policy_lag
 from trainer_hooks.trl import sampling_params_from_args
-from trainer_hooks.weights import normalize_name, push_weights
+from trainer_hooks.weights import push_weights
 
 
 class EngineWeightTransfer:
@@ -64,8 +64,7 @@ class EngineWeightTransfer:
 
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
         t0 = time.perf_counter()
-        plain = ((hf, t) for name, t in iterator if (hf := normalize_name(name)) is not None)
-        push_weights(self.engine, plain, version=self.version + 1, recompute_running=self.recompute_running)
+        push_weights(self.engine, iterator, version=self.version + 1, recompute_running=self.recompute_running)
         self.version += 1
         self.seconds.append(time.perf_counter() - t0)
         if self.metrics_queue is not None:

@@ -19,7 +19,6 @@ import http.client
 import json
 import socket
 import threading
-from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlparse
@@ -28,13 +27,13 @@ import torch
 
 from rollout.api import BackendLimits
 from rollout.engine.stats import EngineStats
-from rollout.engine.transfer_group import PushRejected, TransferError, TransferGroup, await_verdicts, cuda_device
 from rollout.engine.validation import normalize_params, normalize_prompts
-from rollout.engine.weight_transfer import BUCKET_BYTES, TensorSpec, dtype_name, send_weights
 from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.sampling_params import SamplingParams
-from trainer_hooks.weights import HFWeights, normalize_name
-from trainer_hooks.weights import push_weights as _push_weights
+from rollout.weights.group import TransferGroup
+from rollout.weights.layout import BUCKET_BYTES, TensorSpec, specs_of
+from rollout.weights.names import HFWeights, named_weights
+from rollout.weights.sender import WeightSender
 
 
 class ServerError(RuntimeError):
@@ -60,8 +59,7 @@ class RolloutClient:
         self.max_concurrency = max_concurrency
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="rollout-client")
-        self.group: TransferGroup | None = None
-        self._push_id = 0
+        self.sender = WeightSender(_Server(self), timeout_s)
         self._model_card: dict[str, Any] | None = None
         atexit.register(self.close)
 
@@ -174,27 +172,12 @@ class RolloutClient:
     def init_weight_transfer(self, device: torch.device | str = "cpu", master_address: str | None = None,
                              master_port: int = 0, timeout_s: float | None = None) -> TransferGroup:
         """Host a 2-rank group (trainer = rank 0) and have the server join it: NCCL on CUDA, gloo on CPU."""
-        self.close_weight_transfer()
-        device = cuda_device(device)  # the caller's current CUDA device, not the worker thread's
-        address = master_address or self._local_address()
-        timeout = timeout_s or self.timeout_s
-        joined: list[Future] = []
+        self.sender.timeout_s = timeout_s or self.timeout_s
+        return self.sender.open(device, 2, master_address or self._local_address(), master_port)
 
-        def tell_server(port: int) -> None:
-            info = {"master_address": address, "master_port": port, "world_size": 2, "rank_offset": 1,
-                    "backend": "nccl" if device.type == "cuda" else "gloo", "timeout_s": timeout}
-            joined.append(self._pool.submit(self.request, "POST", "/init_weight_transfer", info))
-
-        opening = self._pool.submit(TransferGroup.open_trainer, device, 2, address, master_port, timeout,
-                                    tell_server)
-        while not opening.done():
-            if joined and joined[0].done() and joined[0].exception() is not None:
-                raise joined[0].exception()  # type: ignore[misc]  # the server refused: do not wait for it
-            threading.Event().wait(0.005)
-        self.group = opening.result()
-        joined[0].result()
-        self._push_id = 0
-        return self.group
+    @property
+    def group(self) -> TransferGroup | None:
+        return self.sender.group
 
     def _local_address(self) -> str:
         """The address the server can reach us at: loopback for a local server, else our outgoing interface."""
@@ -205,75 +188,30 @@ class RolloutClient:
             return s.getsockname()[0]
 
     def push_weights(self, weights: Any, version: int | None = None, recompute_running: bool = True) -> int:
-        """A trainer model (or ``(name, tensor)`` pairs / a mapping) into the server; returns its new version.
+        """A trainer model (or ``(name, tensor)`` pairs / a mapping) into the server; returns its new version."""
+        return self.update_weights(weights, version=version, recompute_running=recompute_running)
 
-        Names are normalised as for an in-process engine (DDP, torch.compile, FSDP, PEFT); see ``update_weights``.
-        """
-        return _push_weights(self, weights, version=version, recompute_running=recompute_running)
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Any, version: int | None = None,
-                       recompute_running: bool = True, bucket_bytes: int = BUCKET_BYTES,
-                       dtype: torch.dtype | None = None) -> int:
+    def update_weights(self, named_tensors: Any, version: int | None = None, recompute_running: bool = True,
+                       bucket_bytes: int = BUCKET_BYTES, dtype: torch.dtype | None = None) -> int:
         """``Engine.update_weights`` across processes: announce, wait for the verdict, broadcast, await the swap.
 
-        A refused push raises RequestRejected (ValueError) and changes nothing; a failure while sending
-        closes the group (the server keeps its old weights) and the next push makes a new one.
+        Names are normalised as for an in-process engine (DDP, torch.compile, FSDP, PEFT). A refused push
+        raises RequestRejected (ValueError) and changes nothing; a failure while sending closes the group
+        (the server keeps its old weights) and the next push makes a new one.
         """
-        if isinstance(named_tensors, Mapping):
-            named_tensors = list(named_tensors.items())
-        elif isinstance(named_tensors, Iterator):
-            named_tensors = list(named_tensors)  # references: walked twice (metadata, then data)
-        specs = self._specs(named_tensors, dtype)
+        weights = named_weights(named_tensors)
+        specs = specs_of(weights, dtype)
         for attempt in (0, 1):
-            if self.group is None:
-                self.init_weight_transfer(_device_of(named_tensors))
+            if self.sender.group is None:
+                self.init_weight_transfer(_device_of(weights))
             try:
-                return self._push(specs, named_tensors, version, recompute_running, bucket_bytes)
+                answer = self.sender.send(specs, weights, version, recompute_running, bucket_bytes)
+                return int(answer.result()["policy_version"])
             except ServerError as e:
                 if e.status != 409 or attempt:
                     raise
                 self.close_weight_transfer()  # the server lost our group (another trainer, a failure): anew
         raise AssertionError("unreachable")
-
-    def _push(self, specs: list[TensorSpec], named_tensors: Any, version: int | None, recompute_running: bool,
-              bucket_bytes: int) -> int:
-        group = self.group
-        assert group is not None
-        push_id, self._push_id = self._push_id, self._push_id + 1
-        body = {"names": [s.name for s in specs], "dtype_names": [s.dtype for s in specs],
-                "shapes": [list(s.shape) for s in specs], "packed": True, "bucket_bytes": bucket_bytes,
-                "push_id": push_id, "version": version, "recompute_running": recompute_running}
-        answer = self._pool.submit(self.request, "POST", "/update_weights", body)
-        try:
-            await_verdicts(group, push_id, alive=lambda: not answer.done())
-        except (PushRejected, TransferError):
-            answer.result()  # raises the server's answer (400 with the reason, or why no verdict came)
-            raise
-        try:
-            send_weights(group, specs, named_tensors, bucket_bytes)  # cast to each spec's dtype on the way
-        except BaseException:
-            self.close_weight_transfer()  # the server's receive fails fast on the closed connection
-            raise
-        return int(answer.result()["policy_version"])
-
-    def _specs(self, source: Any, dtype: torch.dtype | None) -> list[TensorSpec]:
-        """Metadata without touching data: an ``HFWeights`` is read from its parameters (no FSDP gathers)."""
-        if isinstance(source, HFWeights):
-            pairs, seen = [], set()
-            for name, p in source.model.named_parameters():
-                hf = normalize_name(name)
-                if hf is not None and hf not in seen:
-                    seen.add(hf)
-                    pairs.append((hf, p))
-        else:
-            pairs = list(source)
-        specs = []
-        for i, item in enumerate(pairs):
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
-                raise TypeError(f"update_weights expects (name, tensor) pairs; item {i} is {item!r:.80}")
-            name, t = item
-            specs.append(TensorSpec(name, dtype_name(dtype or t.dtype), tuple(t.shape)))
-        return specs
 
     def update_weights_from_disk(self, path: str, version: int | None = None, recompute_running: bool = True) -> int:
         body = {"path": str(path), "version": version, "recompute_running": recompute_running}
@@ -301,19 +239,44 @@ class RolloutClient:
         return self.request("POST", "/reset_prefix_cache")
 
     def close_weight_transfer(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        self.sender.close()
 
     def close(self) -> None:
         self.close_weight_transfer()
         self._pool.shutdown(wait=False)
 
 
-def _device_of(named_tensors: Any) -> torch.device:
+class _Server:
+    """The sender's ``Receivers``: one server, reached over HTTP."""
+
+    def __init__(self, client: RolloutClient) -> None:
+        self.client = client
+
+    def join(self, address: str, port: int, world_size: int, backend: str, timeout_s: float) -> Any:
+        info = {"master_address": address, "master_port": port, "world_size": world_size, "rank_offset": 1,
+                "backend": backend, "timeout_s": timeout_s}
+        joined = self.client._pool.submit(self.client.request, "POST", "/init_weight_transfer", info)
+        return lambda wait: joined.result() if wait or joined.done() else None
+
+    def announce(self, specs: list[TensorSpec], push_id: int, bucket_bytes: int, version: int | None,
+                 recompute_running: bool) -> Future:
+        body = {"names": [s.name for s in specs], "dtype_names": [s.dtype for s in specs],
+                "shapes": [list(s.shape) for s in specs], "packed": True, "bucket_bytes": bucket_bytes,
+                "push_id": push_id, "version": version, "recompute_running": recompute_running}
+        return self.client._pool.submit(self.client.request, "POST", "/update_weights", body)
+
+    def alive(self, answer: Future) -> bool:
+        return not answer.done()
+
+    def refused(self, answer: Future) -> None:
+        answer.result()  # the server's answer: 400 with the reason, or why no verdict came
+
+    def broken(self, answer: Future) -> None:
+        pass  # the server's receive fails fast on the closed connection; our own error says why
+
+
+def _device_of(weights: Any) -> torch.device:
     """Where the trainer's tensors live: CUDA tensors go over NCCL, anything else over gloo."""
-    if isinstance(named_tensors, HFWeights):
-        first = next(iter(named_tensors.model.parameters()), None)
-    else:
-        first = next((item[1] for item in named_tensors if isinstance(item, tuple) and len(item) == 2), None)
+    items = weights.parameters() if isinstance(weights, HFWeights) else weights
+    first = next((item[1] for item in items if isinstance(item, tuple) and len(item) == 2), None)
     return first.device if isinstance(first, torch.Tensor) and first.device.type == "cuda" else torch.device("cpu")

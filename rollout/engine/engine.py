@@ -40,12 +40,13 @@ from rollout.engine.validation import (
     normalize_prompts,
     to_token_ids,
 )
-from rollout.engine.weight_sync import WeightSync
 from rollout.layers.backends import resolve_attention
 from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.sampling_params import SamplingParams
+from rollout.weights.apply import WeightSync
 
 __all__ = ["Engine", "EngineStats"]
+MAX_VERSION = 1 << 63  # versions travel as int64 (token metadata, Arrow columns, JSON)
 
 
 class Engine:
@@ -281,17 +282,17 @@ class Engine:
     ) -> int:
         """Validate every tensor, then copy all in place at a step boundary; returns the new version.
 
+        ``version``: an int in [current, 2**63), or None for current + 1 (``check_version``); anything else
+        raises ValueError before a tensor is read, the old weights untouched. Every weight path (server,
+        pool, client, disk) ends here, and nothing else writes ``policy_version``.
+
         A step still in flight is collected first (its tokens belong to the old version). Running
         sequences then drop their KV and are recomputed under the new weights, so every later token is
         exactly the new policy's given its whole context (``recompute_running=False`` keeps the old KV:
         cheaper, but later tokens then depend on KV the old weights computed).
         """
-        if version is not None:
-            if isinstance(version, bool) or not isinstance(version, int):
-                raise TypeError(f"version must be an int >= 0 or None, got {version!r}")
-            if version < 0:
-                raise ValueError(f"version must be >= 0, got {version}")
         with self._lock:
+            new = self.check_version(version)
             if self._inflight is not None:
                 pending, self._inflight = self._inflight, None
                 try:
@@ -303,8 +304,19 @@ class Engine:
             self.block_manager.reset_prefix_cache()
             if recompute_running:
                 self.scheduler.recompute_running()
-            self.policy_version = self.policy_version + 1 if version is None else version
-            return self.policy_version
+            self.policy_version = new  # the one place a policy version is written
+            return new
+
+    def check_version(self, version: object) -> int:
+        """The version ``update_weights(..., version)`` would set: ``version`` itself, an int in
+        [current, 2**63), or current + 1 for None; ValueError otherwise. Receivers ask before bytes move."""
+        current = self.policy_version
+        if version is None:
+            version = current + 1
+        if isinstance(version, bool) or not isinstance(version, int) or not current <= version < MAX_VERSION:
+            raise ValueError(f"version must be an int in [{current}, 2**63) (not lower than the current policy "
+                             f"version {current}) or None (current + 1), got {version!r}")
+        return version
 
     def sleep(self, level: int = 1) -> int:
         """Free the KV cache (level 2: also move weights to the CPU) for a co-located trainer.

@@ -4,8 +4,10 @@ The trainer writes snapshots into DIR as ``step_<N>/`` subdirectories in Hugging
 layout (``model.safetensors`` or shards + index, ``config.json``), each complete once a file named
 ``COMPLETE`` exists in it (``trainer_hooks.save_snapshot`` writes it last, after an atomic rename).
 Before each round the job loads the newest complete snapshot it has not loaded yet, through
-``update_weights`` (every name, shape and value validated before anything is copied), and the round's
-tokens then carry ``policy_version = N``. Older snapshots that were skipped over are never loaded.
+``update_weights`` (every name, shape and value validated before anything is copied; read one tensor
+at a time by ``rollout.weights.disk.CheckpointWeights``, as the server's ``/update_weights_from_disk``
+does), and the round's tokens then carry ``policy_version = N``. Older snapshots that were skipped over
+are never loaded.
 N must be below 2**63 (versions are int64 in the round files), and a resumed job's versions never go back
 below those of the rounds already written: either is refused before a round runs.
 """
@@ -14,13 +16,12 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any
 
+from rollout.weights.disk import COMPLETE, CheckpointWeights, step_of
+
 log = logging.getLogger(__name__)
-SNAPSHOT_DIR = re.compile(r"^step_(\d+)$")
-COMPLETE = "COMPLETE"
 MAX_VERSION = 2**63  # policy versions are ints in [0, 2**63)
 
 
@@ -43,10 +44,9 @@ class SnapshotWatcher:
         """The newest complete snapshot newer than the one loaded last, or None."""
         best: tuple[int, Path] | None = None
         for p in self.root.iterdir() if self.root.is_dir() else ():
-            m = SNAPSHOT_DIR.match(p.name)
-            if m is None or not (p / COMPLETE).is_file():
+            step = step_of(p)
+            if step is None or not (p / COMPLETE).is_file():
                 continue
-            step = int(m.group(1))
             if step >= MAX_VERSION:
                 raise ValueError(f"rollout.weights_from: snapshot {str(p)!r} has step {step}; policy versions must "
                                  "be ints in [0, 2**63)")
@@ -71,10 +71,8 @@ class SnapshotWatcher:
         if found is None:
             return None
         step, path = found
-        from rollout.models.loader import iter_checkpoint
-
-        try:
-            actor.update_weights(iter_checkpoint(path), version=step)
+        try:  # the server's disk reader: streamed, one tensor at a time on each pass, never a list
+            actor.update_weights(CheckpointWeights(path), version=step)
         except (ValueError, TypeError, KeyError, OSError) as e:
             raise ValueError(f"rollout.weights_from: snapshot {str(path)!r} was refused: {e}") from None
         self.loaded_step = step

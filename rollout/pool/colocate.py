@@ -2,7 +2,7 @@
 
 A co-located replica (veRL's hybrid engine; TRL's ``vllm_mode="colocate"``) shares the trainer's GPU, so
 it cannot be a rank of the NCCL weight group (NCCL refuses two ranks on one GPU): it takes the weights by
-handle (``rollout.engine.weight_handles``: CUDA IPC on a GPU, a /dev/shm file on the CPU) while the other
+handle (``rollout.weights.handles``: CUDA IPC on a GPU, a /dev/shm file on the CPU) while the other
 replicas take them by broadcast, all in one ``RolloutPool.update_weights``.
 
 Placement is address-based: the replica is pinned to the trainer's Ray node (node affinity, not loopback),
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from rollout.engine.transfer_group import cuda_device
-from rollout.engine.weight_handles import gpu_uuid
+from rollout.weights.group import cuda_device
+from rollout.weights.handles import gpu_uuid
 
 ADVICE = "set pool.colocate_with_trainer=false to send every replica its weights by broadcast"
 

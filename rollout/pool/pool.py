@@ -14,8 +14,8 @@ background, copies a survivor's weights and version (``Replica.export_state``) a
 The round's ``last_round`` metrics name the failed replica and the resubmitted groups.
 
 Weights: the process that calls ``update_weights`` (the trainer) is rank 0 of a ``TransferGroup`` and
-the replicas are ranks 1..N (gloo on CPU, NCCL on GPUs); the bytes travel as ``weight_transfer``'s
-flat buckets and each replica applies them with ``Engine.update_weights``, the server's code path. No
+the replicas are ranks 1..N (gloo on CPU, NCCL on GPUs); the bytes travel as ``rollout.weights``' flat
+buckets and each replica applies them with ``Engine.update_weights``, the server's code path. No
 group is dispatched while a push is in flight, so every replica is at the same ``policy_version``
 before any takes new work. With ``colocate_with_trainer`` replica 0 runs on the trainer's own device
 (``colocate``) and takes the same push by handle (CUDA IPC / shared memory) instead of by broadcast.
@@ -40,13 +40,13 @@ from rollout.engine.validation import normalize_params, normalize_prompts
 from rollout.outputs import RequestOutput
 from rollout.pool import colocate, ray_setup
 from rollout.pool import sleep as pool_sleep
-from rollout.pool import transfer as pool_transfer
 from rollout.pool.colocate import TrainerPlace
 from rollout.pool.dispatch import Dispatcher, Slot
 from rollout.pool.replica import Replica
 from rollout.pool.round_queue import RoundQueue
 from rollout.pool.transfer import PoolTransfer
 from rollout.sampling_params import SamplingParams
+from rollout.weights.names import named_weights
 
 
 @dataclass
@@ -98,7 +98,6 @@ class RolloutPool:
         self._lock = threading.RLock()  # dispatch vs weight pushes
         self._round = 0
         self._rounds_open = 0  # generate_iter calls not yet finished: sleep() waits for none
-        self.policy_version = 0
         self.last_round: dict[str, Any] = {}
         self.failures: list[dict[str, Any]] = []  # every replica death seen, all rounds
         self.members: list[_Member] = []
@@ -327,10 +326,15 @@ class RolloutPool:
             self._replace(index, "actor died", lost)
 
     # ---- weights ---------------------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        """The version every replica's engine reported after the last push (0 before any)."""
+        return self.transfer.version
+
     def update_weights(self, named_tensors: Any, version: int | None = None, recompute_running: bool = True,
                        bucket_bytes: int | None = None) -> int:
         """Broadcast (name, tensor) pairs from this process to every replica; returns the shared new version."""
-        pairs = pool_transfer.pairs(named_tensors)  # references, walked by each attempt
+        pairs = list(named_weights(named_tensors))  # references, walked by each attempt
         with self._lock:
             for attempt in (0, 1):
                 self.wait_ready()
@@ -343,7 +347,6 @@ class RolloutPool:
                     self.transfer.close()
                     if not self._reap_dead() or attempt:
                         raise
-            self.policy_version = new
             return new
 
     # ---- memory ----------------------------------------------------------------------------------

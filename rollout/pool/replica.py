@@ -31,11 +31,12 @@ import torch
 
 from rollout.engine.async_engine import AsyncEngine
 from rollout.engine.validation import check_lengths, to_token_ids
-from rollout.engine.weight_handles import BucketHandle, cuda_index, gpu_uuid
-from rollout.engine.weight_transfer import BUCKET_BYTES, TensorSpec, WeightReceiver
 from rollout.outputs import RequestOutput
 from rollout.pool.factory import EngineFactory
 from rollout.sampling_params import SamplingParams
+from rollout.weights.handles import BucketHandle, cuda_index, gpu_uuid
+from rollout.weights.layout import BUCKET_BYTES, TensorSpec
+from rollout.weights.receiver import WeightReceiver
 
 
 class Replica:
@@ -50,7 +51,7 @@ class Replica:
             if isinstance(engine_factory, EngineFactory):
                 engine_factory = replace(engine_factory, device=f"cuda:{gpu}")
         self.engine = engine_factory()
-        self.receiver = WeightReceiver(self.engine.device, self.engine.weights.mapper.validate)
+        self.receiver = WeightReceiver(self.engine)
         self.loop = AsyncEngine(self.engine, name=f"replica-{index}").start()
 
     # ---- info ------------------------------------------------------------------------------------
@@ -102,62 +103,42 @@ class Replica:
     async def receive_weights(self, specs: list[TensorSpec], push_id: int, version: int | None,
                               bucket_bytes: int = BUCKET_BYTES, recompute_running: bool = True) -> int:
         """One push: verdict, broadcast into staging, then ``Engine.update_weights``; the new version."""
-        def apply(views: list[tuple[str, torch.Tensor]]) -> int:
-            new = self.engine.update_weights(views, version, recompute_running)
-            views.clear()
-            if self.engine.is_sleeping:  # pushed while asleep: the staging buffer goes again
-                self._release_staging()
-            return new
-
-        views = await asyncio.to_thread(self.receiver.receive, specs, bucket_bytes, push_id)
-        return await asyncio.to_thread(apply, views)
+        return await asyncio.to_thread(self.receiver.receive, specs, bucket_bytes, push_id, version, recompute_running)
 
     async def receive_weights_by_handle(self, specs: list[TensorSpec], handles: list[BucketHandle],
                                         version: int | None, recompute_running: bool = True) -> int:
         """A co-located push: map the trainer's buckets, ``Engine.update_weights`` on views of them, unmap."""
-        def apply(views: list[tuple[str, torch.Tensor]]) -> int:
-            return self.engine.update_weights(views, version, recompute_running)
-
-        return await asyncio.to_thread(self.receiver.receive_handles, specs, handles, apply)
+        return await asyncio.to_thread(self.receiver.receive_handles, specs, handles, version, recompute_running)
 
     # ---- memory ----------------------------------------------------------------------------------
     async def sleep(self, level: int = 1) -> int:
         """``Engine.sleep(level)``, then the staging buffer; the bytes released on the engine's device."""
         def go() -> int:
             released = self.engine.sleep(level)  # refuses while requests run: the staging buffer stays then
-            return released + self._release_staging()
+            return released + self.receiver.release_staging()
 
         return await asyncio.wrap_future(self.loop.call(go))
 
     async def wake_up(self) -> None:
         await asyncio.wrap_future(self.loop.call(self.engine.wake_up))
 
-    def _release_staging(self) -> int:
-        released = self.receiver.release_staging()
-        if released and self.engine.device.type == "cuda":
-            torch.cuda.empty_cache()  # back to the driver, where the co-located trainer allocates
-        return released
-
     def leave_weight_group(self) -> None:
         self.receiver.close()
 
     def export_state(self) -> tuple[dict[str, torch.Tensor], int]:
-        """The engine's own parameters (its fused layout, on the CPU) and version: a replacement's catch-up."""
+        """The engine's weights under their HF names (on the CPU) and its version: a replacement's catch-up."""
         with self.engine._lock:
-            state = {k: v.detach().to("cpu", copy=True) for k, v in self.engine.model.state_dict().items()}
+            mapper = self.engine.weights.mapper
+            state = {name: mapper.resolve(name).dst().to("cpu", copy=True) for name in mapper.hf_names()}
             return state, self.engine.policy_version
 
     def load_state_from(self, exported: tuple[dict[str, torch.Tensor], int]) -> int:
-        """Take a survivor's ``export_state()`` before any work arrives; refused once requests are in."""
+        """Take a survivor's ``export_state()`` through ``Engine.update_weights`` before any work arrives;
+        refused once requests are in."""
         state, version = exported
-        engine = self.engine
-        with engine._lock:
-            if engine.has_unfinished_requests():
-                raise RuntimeError("load_state on a replica with requests in flight")
-            engine.model.load_state_dict(state, strict=True)
-            engine.block_manager.reset_prefix_cache()
-            engine.policy_version = version
-            return version
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError("load_state on a replica with requests in flight")
+        return self.engine.update_weights(state, version)
 
     def shutdown(self) -> None:
         self.loop.close()

@@ -21,10 +21,9 @@ only once every replica is active again, so the memory ``sleep`` frees is free w
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from rollout.pool.pool import RolloutPool
+RolloutPool = Any  # rollout.pool.pool.RolloutPool, which imports this module (not imported back: no circle)
 
 
 def check_indices(replicas: Any, n: int, what: str = "replicas") -> list[int]:

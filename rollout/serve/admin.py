@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -16,16 +15,15 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
 
-from rollout.engine.transfer_group import PushRejected, TransferError
-from rollout.engine.weight_transfer import make_specs
-from rollout.models.loader import iter_checkpoint, safetensors_files
 from rollout.serve.errors import APIError, describe_validation
 from rollout.serve.protocol import InitWeightTransfer, UpdateWeights, UpdateWeightsFromDisk
 from rollout.serve.state import ServerState, state
+from rollout.weights.disk import CheckpointWeights, step_of
+from rollout.weights.group import PushRejected, TransferError
+from rollout.weights.layout import make_specs
 
 log = logging.getLogger("rollout.serve")
 router = APIRouter()
-_STEP_DIR = re.compile(r"step_(\d+)")
 
 
 async def _body(request: Request, model: type, wrapper: str) -> Any:
@@ -89,35 +87,18 @@ async def update_weights(request: Request) -> dict[str, Any]:
         raise APIError(400, str(e)) from None
     t0 = time.perf_counter()
     try:
-        views = await asyncio.to_thread(st.receiver.receive, specs, upd.bucket_bytes, upd.push_id)
+        new = await asyncio.to_thread(st.receiver.receive, specs, upd.bucket_bytes, upd.push_id, upd.version,
+                                      upd.recompute_running)
     except PushRejected as e:
         raise APIError(400, f"weight update rejected, nothing changed: {e}") from None
     except TransferError as e:
         log.warning("weight push failed, the old weights still serve: %s", e)
         raise APIError(409, f"{e}; the old weights still serve; initialise a new group") from None
-    except ValueError as e:
+    except (TypeError, ValueError, KeyError) as e:
+        raise _rejected(e) from None
+    except RuntimeError as e:  # another transfer in progress
         raise APIError(409, str(e)) from None
-    except RuntimeError as e:
-        raise APIError(409, str(e)) from None
-    answer = await _apply(st, views, upd.version, upd.recompute_running, t0)
-    views.clear()
-    if st.engine.is_sleeping:  # pushed while asleep: the staging buffer goes again
-        await asyncio.to_thread(_drop_staging, st)
-    return answer
-
-
-def _drop_staging(st: ServerState) -> int:
-    """The receiver keeps a model's worth of staging bytes between pushes; a sleeping engine gives them back
-    too (the next push allocates them again). Kept while a push is in flight. Returns the bytes dropped."""
-    try:
-        released = st.receiver.release_staging()
-    except RuntimeError:  # a transfer holds it
-        return 0
-    if released and st.engine.device.type == "cuda":
-        import torch
-
-        torch.cuda.empty_cache()
-    return released
+    return _done(st, new, t0)
 
 
 @router.post("/update_weights_from_disk")
@@ -130,34 +111,26 @@ async def update_weights_from_disk(request: Request) -> dict[str, Any]:
         raise APIError(400, f"path {upd.path!r} is not an existing directory; expected a Hugging Face checkpoint "
                             "directory (*.safetensors)", param="path")
     try:
-        safetensors_files(path)
+        weights = CheckpointWeights(path)  # streamed: one tensor at a time, each pass
     except (FileNotFoundError, ValueError) as e:
         raise APIError(400, str(e), param="path") from None
-    version = upd.version
-    match = _STEP_DIR.fullmatch(path.name)
-    if version is None and match:
-        version = int(match.group(1))
-    return await _apply(st, CheckpointWeights(path), version, upd.recompute_running, time.perf_counter())
-
-
-class CheckpointWeights:
-    """Re-iterable (name, tensor) view of a checkpoint dir: ``update_weights`` walks it twice, lazily."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __iter__(self) -> Any:
-        return iter_checkpoint(self.path)
-
-
-async def _apply(st: ServerState, source: Any, version: int | None, recompute: bool, t0: float) -> dict[str, Any]:
+    version = upd.version if upd.version is not None else step_of(path)
+    t0 = time.perf_counter()
     try:
-        new = await st.run(lambda: st.engine.update_weights(source, version=version, recompute_running=recompute))
+        new = await st.run(lambda: st.engine.update_weights(weights, version, upd.recompute_running))
     except (TypeError, ValueError, KeyError) as e:
-        reason = str(e.args[0] if isinstance(e, KeyError) and e.args else e)  # KeyError's str() adds quotes
-        if "nothing changed" not in reason:
-            reason = f"weight update rejected, nothing changed: {reason}"
-        raise APIError(400, reason) from None
+        raise _rejected(e) from None
+    return _done(st, new, t0)
+
+
+def _rejected(e: Exception) -> APIError:
+    reason = str(e.args[0] if isinstance(e, KeyError) and e.args else e)  # KeyError's str() adds quotes
+    if "nothing changed" not in reason:
+        reason = f"weight update rejected, nothing changed: {reason}"
+    return APIError(400, reason)
+
+
+def _done(st: ServerState, new: int, t0: float) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
     st.counters["weight_updates"] += 1
     st.counters["last_update_s"] = seconds
@@ -208,7 +181,7 @@ async def sleep(request: Request, level: int = Query(1)) -> dict[str, Any]:
         raise APIError(400, str(e), param="level") from None
     except RuntimeError as e:
         raise APIError(409, f"{e} (POST /pause?mode=abort does that)") from None
-    released += await asyncio.to_thread(_drop_staging, st)
+    released += await asyncio.to_thread(st.receiver.release_staging)
     return {"sleeping": True, "level": level, "released_bytes": released}
 
 

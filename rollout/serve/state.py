@@ -10,9 +10,9 @@ from fastapi import Request
 
 from rollout.engine.async_engine import AsyncEngine
 from rollout.engine.validation import check_lengths, to_token_ids
-from rollout.engine.weight_transfer import WeightReceiver
 from rollout.job.config import SamplingConfig
 from rollout.serve.errors import APIError
+from rollout.weights.receiver import WeightReceiver
 
 
 @dataclass
@@ -27,7 +27,8 @@ class ServerState:
     counters: dict[str, float] = field(default_factory=lambda: {"weight_updates": 0, "last_update_s": 0.0})
 
     def __post_init__(self) -> None:
-        self.receiver = WeightReceiver(self.engine.device, self.engine.weights.mapper.validate)
+        # pushes are applied in the engine loop thread, at a step boundary
+        self.receiver = WeightReceiver(self.engine, run=lambda fn: self.loop.call(fn).result())
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -17,8 +17,8 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 from rollout import Engine, SamplingParams  # noqa: E402
-from rollout.engine.weight_handles import SHM_DIR, SHM_PREFIX, gpu_uuid  # noqa: E402
 from rollout.pool import EngineFactory  # noqa: E402
+from rollout.weights.handles import SHM_DIR, SHM_PREFIX, gpu_uuid  # noqa: E402
 
 PROMPT = [5, 17, 300, 42, 9, 77, 1000, 3]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -100,10 +100,11 @@ KILLER = """
 import os, sys, torch
 sys.path.insert(0, {root!r})
 torch.cuda.set_device(0)
+import rollout.weights.sender as sender
 import trainer_hooks.client as c
 from tests.gpu.test_serve_gpu import hf_model
-real = c.send_weights
-c.send_weights = lambda g, s, t, b, on_chunk=None: real(g, s, t, b, on_chunk=lambda k: k == 2 and os._exit(3))
+real = sender.send_weights
+sender.send_weights = lambda g, s, t, b, on_chunk=None: real(g, s, t, b, on_chunk=lambda k: k == 2 and os._exit(3))
 client = c.RolloutClient({url!r})
 client.init_weight_transfer("cuda:0", timeout_s=20)
 client.update_weights(list(hf_model(9).named_parameters()), bucket_bytes=1 << 20)

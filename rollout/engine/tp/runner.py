@@ -25,11 +25,11 @@ from rollout.engine import loading
 from rollout.engine.plan import BatchPlan, SampleResult
 from rollout.engine.tp.rank import WorkerSpec
 from rollout.engine.tp.workers import TPWorkers
-from rollout.engine.weight_sync import WeightSync, _as_source
 from rollout.layers.backends import AttentionSpec
 from rollout.layers.parallel import check_tp_shapes
 from rollout.models.loader import missing_weights
 from rollout.models.weights import is_ignored
+from rollout.weights.apply import WeightSync, _as_source
 
 
 def start_tensor_parallel(source: object, dtype: str | torch.dtype, device: torch.device,

@@ -2,7 +2,7 @@
 
 NCCL refuses two ranks on one GPU, so an engine co-located with its trainer (veRL's hybrid engine, TRL's
 colocate mode) cannot join the weight broadcast. Instead the trainer packs the tensors into flat buckets
-laid out by ``weight_transfer.layout`` (same specs, same alignment; whole tensors per bucket, at most
+laid out by ``layout.layout`` (same specs, same alignment; whole tensors per bucket, at most
 ``bucket_bytes`` each unless one tensor alone is larger) and exports each bucket as a handle that another
 process on the same host can map:
 
@@ -31,16 +31,8 @@ from typing import Any
 
 import torch
 
-from rollout.engine.transfer_group import cuda_device
-from rollout.engine.weight_transfer import (
-    ALIGN,
-    BUCKET_BYTES,
-    TensorSpec,
-    chunk_bounds,
-    layout,
-    next_bytes,
-    tensor_views,
-)
+from rollout.weights.group import cuda_device
+from rollout.weights.layout import BUCKET_BYTES, TensorSpec, bucket_ranges, layout, next_bytes, tensor_views
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 SHM_PREFIX = "rollout-weights-"  # then the trainer's pid: tests look for leftovers by it
@@ -56,22 +48,6 @@ class BucketHandle:
     nbytes: int
     kind: str  # "cuda" (ref = (GPU uuid, rebuild_cuda_tensor's arguments)) or "shm" (ref = the file's path)
     ref: Any
-
-
-def bucket_ranges(specs: list[TensorSpec], bucket_bytes: int = BUCKET_BYTES) -> list[tuple[int, int]]:
-    """[first, end) tensor ranges, in spec order: each bucket's layout fits ``bucket_bytes`` unless it holds
-    a single larger tensor. Tensors are never split, so each one is a view of exactly one bucket."""
-    chunk_bounds(1, bucket_bytes)  # the broadcast's check of the value
-    ranges, first, size = [], 0, 0
-    for i, s in enumerate(specs):
-        start = -(-size // ALIGN) * ALIGN
-        if i > first and start + s.nbytes > bucket_bytes:
-            ranges.append((first, i))
-            first, start = i, 0
-        size = start + s.nbytes
-    if specs:
-        ranges.append((first, len(specs)))
-    return ranges
 
 
 class ExportedWeights:

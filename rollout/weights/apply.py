@@ -1,13 +1,13 @@
-"""All-or-nothing, in-place weight updates by Hugging Face parameter name.
+"""The engine's end of every push: all-or-nothing, in-place weight updates by Hugging Face parameter name.
 
-Two passes over the source: the first validates everything (names and shapes on the host,
-finiteness where the data lives, after the cast to the engine's dtype), the second copies. A
-mapping, a list or any other re-iterable
-(e.g. a view over a trainer's live parameters) is walked twice and never copied, so no second copy
-of the model is held; a one-shot iterator (``model.named_parameters()``) is first turned into a list
-of references. GPU tensors are checked on the GPU with a single sync; CPU tensors bound for a GPU
-engine are streamed through one reusable staging buffer and checked there (a CPU scan of 16 GB takes
-seconds). Copies are in place (captured CUDA graphs stay valid) and non-blocking from pinned memory,
+The source is ``names.named_weights``' pairs (names normalised). Two passes over it: the first validates
+everything (names and shapes on the host, finiteness where the data lives, after the cast to the
+engine's dtype), the second copies. A mapping, a list, a checkpoint directory's ``CheckpointWeights`` or
+any other re-iterable (e.g. a view over a trainer's live parameters) is walked twice and never copied, so
+no second copy of the model is held; a one-shot iterator (``model.named_parameters()``) is first turned
+into a list of references. GPU tensors are checked on the GPU with a single sync; CPU tensors bound
+for a GPU engine are streamed through one reusable staging buffer and checked there (a CPU scan of
+16 GB takes seconds). Copies are in place (captured CUDA graphs stay valid) and non-blocking from pinned memory,
 with one synchronisation at the end.
 """
 
@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 import torch
 
 from rollout.models.weights import WeightMapper, is_ignored
+from rollout.weights.names import named_weights
 
 Source = Callable[[], Iterator[object]]
 
@@ -82,16 +83,5 @@ class WeightSync:
 
 
 def _as_source(named_tensors: object) -> Source:
-    if isinstance(named_tensors, Mapping):
-        mapping = named_tensors
-        return lambda: iter(mapping.items())
-    if isinstance(named_tensors, Iterator):
-        items = list(named_tensors)  # references to the iterator's tensors, not copies
-        return lambda: iter(items)
-    if isinstance(named_tensors, Iterable) and not isinstance(named_tensors, (str, bytes)):
-        iterable = named_tensors
-        return lambda: iter(iterable)
-    raise TypeError(
-        "update_weights expects a {name: tensor} mapping or an iterable of (name, tensor) pairs, "
-        f"got {type(named_tensors).__name__}"
-    )
+    pairs = named_weights(named_tensors)  # the one coercion (a one-shot iterator is listed: references)
+    return lambda: iter(pairs)

@@ -1,0 +1,125 @@
+"""Weights through a directory: the ``step_<N>/`` + ``COMPLETE`` hand-over, written whole and read lazily.
+
+A snapshot is a Hugging Face safetensors checkpoint directory (config.json + model*.safetensors, an index
+when sharded). ``write_snapshot`` (the trainer's side; ``trainer_hooks.save_snapshot`` adds the config and
+tokenizer) writes it into a hidden temporary directory beside the target with an empty ``COMPLETE`` file
+as its last file, then renames it into place in one step: a reader never sees a half-written ``step_<N>``.
+
+``CheckpointWeights`` is the one reader: ``/update_weights_from_disk`` and the job's
+``rollout.weights_from`` both hand it to ``Engine.update_weights``, which walks it twice (validate, then
+copy), each pass reading one tensor at a time from the memory-mapped files (``safe_open``): host memory
+holds about one tensor, never the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from rollout.models.loader import INDEX_FILE, iter_checkpoint, safetensors_files
+
+COMPLETE = "COMPLETE"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def snapshot_dir(root: str | os.PathLike[str], step: int) -> Path:
+    return Path(root) / f"step_{step}"
+
+
+def step_of(path: str | os.PathLike[str]) -> int | None:
+    """N for a directory named ``step_<N>`` (the version its weights carry), else None."""
+    m = STEP_DIR.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+class CheckpointWeights:
+    """Re-iterable ``(name, tensor)`` pairs of a safetensors directory: each pass reads one tensor at a time.
+
+    The files are found (and a directory without safetensors refused) when it is made.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.files = safetensors_files(self.path)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter_checkpoint(self.path)  # a generator: safe_open, one get_tensor at a time
+
+
+def write_snapshot(weights: Iterable[tuple[str, torch.Tensor]], root: str | os.PathLike[str], step: int,
+                   extras: Callable[[Path], None] = lambda tmp: None, max_shard_bytes: int = 5 << 30) -> Path:
+    """``weights`` (plain HF names) as ``root/step_<step>/`` with ``COMPLETE``, atomically; returns that path.
+
+    ``extras(tmp)`` writes the rest (config, tokenizer) into the temporary directory first. Refuses to
+    overwrite an existing snapshot (a reader may be loading it).
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = snapshot_dir(root, step)
+    if final.exists():
+        raise FileExistsError(f"snapshot {str(final)!r} already exists; snapshots are never overwritten")
+    tmp = Path(tempfile.mkdtemp(prefix=f".step_{step}.tmp-", dir=root))
+    try:
+        _write_weights(weights, tmp, max_shard_bytes)
+        extras(tmp)
+        (tmp / COMPLETE).touch()  # the last file written
+        _fsync_tree(tmp)
+        os.rename(tmp, final)  # atomic on one filesystem; fails rather than replace a concurrent writer's
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _write_weights(weights: Iterable[tuple[str, torch.Tensor]], out: Path, max_shard_bytes: int) -> None:
+    """model.safetensors, or model-0000k-of-0000n.safetensors shards plus an index past ``max_shard_bytes``."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = total = 0
+    for name, tensor in weights:
+        t = tensor.detach().to("cpu", copy=True).contiguous()  # own storage: tied or viewed weights save apart
+        nbytes = t.numel() * t.element_size()
+        if size and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+        total += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in path.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    _fsync_dir(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
