@@ -23,9 +23,10 @@ sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _HERE]
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-import rollout.job.setup as setup  # noqa: E402
 from rollout.cli import quiet_progress_bars, resolved_config, run_or_exit  # noqa: E402
+from rollout.rl.prompts import load_tokenizer  # noqa: E402
 from rollout.serve.config import ServeConfig  # noqa: E402
+from rollout.settings.model import load_engine, model_dir  # noqa: E402
 
 log = logging.getLogger("rollout.serve")
 
@@ -36,9 +37,9 @@ def load_config(cfg: DictConfig) -> ServeConfig:
 
 def build_engine(config: ServeConfig) -> tuple[object, Path]:
     """(engine, checkpoint dir) the way the main job builds them (same groups, same checks)."""
-    model_dir = setup.model_dir(config)
-    tokenizer = setup.load_tokenizer(config.model.tokenizer or model_dir, explicit=config.model.tokenizer is not None)
-    return setup.load_engine(config, model_dir, tokenizer), model_dir
+    path = model_dir(config.model)
+    tokenizer = load_tokenizer(path, config.model.tokenizer)
+    return load_engine(config.model, config.engine, path, tokenizer), path
 
 
 def run(cfg: DictConfig) -> None:

@@ -13,7 +13,7 @@ engine metrics on the worker's ``metrics_queue``, which the trainer drains into 
 
 The worker is partial rollouts by construction: groups are handed out as they finish, and a push lands
 between two steps while the others keep generating. What it shares with the job's ``rollout.mode=partial``
-(``rollout.job.staleness``): ``max_staleness`` drops groups whose oldest token is more versions behind the
+(``rollout.rl.staleness``): ``max_staleness`` drops groups whose oldest token is more versions behind the
 engine's weights, running ones at a push (not worth finishing) and finished ones before they are scored
 (counted as ``rollout/dropped_groups_total``; TRL's own ``max_staleness`` drops samples later, when the
 trainer takes them); at each push ``rollout/carried_over_groups`` / ``_tokens`` (groups still running and the
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollout.job.staleness import carried_tokens, check_max_staleness, stale_running, too_stale
+from rollout.rl.staleness import carried_tokens, check_max_staleness, stale_running, too_stale
 from trainer_hooks.engine_metrics import EngineWindow, policy_lag
 from trainer_hooks.trl import sampling_params_from_args
 from trainer_hooks.weights import normalize_name, push_weights, resolve_engine

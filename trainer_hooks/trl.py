@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from rollout.job.rewards import completion_text, digit_fraction, trl_reward  # noqa: F401  (re-exported)
+from rollout.rl.rewards import completion_text, digit_fraction, trl_reward  # noqa: F401  (re-exported)
 from rollout.sampling_params import SamplingParams
 from trainer_hooks.engine_metrics import (
     EngineWindow,

@@ -22,7 +22,7 @@ prompt, so:
   ``reward_funcs=rollout.wrap_rewards([...])``, checked on every call. Reward models (``nn.Module``) cannot be
   wrapped (TRL feeds them its own prompt texts) and are refused, as are tools and environments.
 
-Staleness is the job's (``rollout.job.staleness``): versions between a group's oldest token and the weights at
+Staleness is the job's (``rollout.rl.staleness``): versions between a group's oldest token and the weights at
 hand-out. After a push, running groups over ``max_staleness`` are stopped; a finished one over it is not handed
 out; either is dropped (counted) or regenerated from its prompt (``stale_groups``).
 
@@ -42,8 +42,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rollout.job.round_metrics import RoundTrace
-from rollout.job.staleness import (
+from rollout.rl.metrics import RoundTrace
+from rollout.rl.staleness import (
     carried_tokens,
     check_max_staleness,
     check_stale_groups,

@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.job.data import Prompt, PromptDataset
-from rollout.job.rewards import RewardFn
-from rollout.job.round_metrics import PoolMeter, RoundTrace, round_metrics
+from rollout.job.round_metrics import round_metrics
 from rollout.job.seeds import request_seed
-from rollout.job.staleness import STALE_POLICIES, carried_tokens, stale_running, staleness, too_stale
 from rollout.job.trajectory import Trajectory, group_trajectories
+from rollout.rl.metrics import PoolMeter, RoundTrace
+from rollout.rl.rewards import RewardFn
+from rollout.rl.staleness import STALE_POLICIES, carried_tokens, stale_running, staleness, too_stale
 from rollout.sampling_params import SamplingParams
 
 MODES = ("drain", "partial")

@@ -10,9 +10,9 @@ from fastapi import Request
 
 from rollout.engine.validation import check_lengths, to_token_ids
 from rollout.engine.weight_transfer import WeightReceiver
-from rollout.job.config import SamplingConfig
 from rollout.serve.engine_loop import EngineLoop
 from rollout.serve.errors import APIError
+from rollout.settings.schema import SamplingConfig
 
 
 @dataclass

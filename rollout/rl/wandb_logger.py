@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rollout.job.config import WandbConfig
+from rollout.settings.schema import WandbConfig
 
 
 class WandbLogger:
