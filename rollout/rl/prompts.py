@@ -41,12 +41,12 @@ def use_chat_template(tokenizer: Any, setting: bool | str) -> bool:
     return bool(setting)
 
 
-def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], chat_template: bool = False,
+def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], template_strings: bool = False,
                   **template_kwargs: Any) -> tuple[str, list[int]]:
-    """(The text the model sees, its token ids) for a string (raw, or as one user message with ``chat_template``)
+    """(The text the model sees, its token ids) for a string (raw, or as one user message with ``template_strings``)
     or a list of {role, content} messages (always through the chat template, with a generation prompt).
     ``template_kwargs`` go to ``apply_chat_template`` (``tools``, ``chat_template``, ``enable_thinking``...)."""
-    if isinstance(prompt, str) and not chat_template:
+    if isinstance(prompt, str) and not template_strings:
         return prompt, list(tokenizer(prompt).input_ids)
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
