@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -32,12 +31,10 @@ from rollout.job.trajectory import Trajectory, group_trajectories
 from rollout.rl.groups import Group, GroupTracker
 from rollout.rl.metrics import PoolMeter, RoundTrace
 from rollout.rl.rewards import RewardFn
-from rollout.rl.staleness import STALE_POLICIES
 from rollout.sampling_params import SamplingParams
 
 MODES = ("drain", "partial")
 StepCallback = Callable[[dict[str, float]], None]
-log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -79,8 +76,6 @@ class RolloutActor:
             raise ValueError(f"start_round must be >= 0, got {start_round}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if stale_groups not in STALE_POLICIES:
-            raise ValueError(f"stale_groups must be one of {STALE_POLICIES}, got {stale_groups!r}")
         self.engine, self.dataset, self.params = engine, dataset, sampling_params
         self.num_prompts, self.reward_fn = num_prompts, reward_fn
         self.round = start_round  # the next round to run
