@@ -248,7 +248,7 @@ def tokenize_prompts(prompts: list[Any], trainer: Any) -> list[list[int]]:
                       **(getattr(trainer, "chat_template_kwargs", None) or {}))
         return [encode_prompt(tok, p, **kwargs)[1] for p in prompts]
     if all(isinstance(p, str) for p in prompts):
-        return [encode_prompt(tok, p)[1] for p in prompts]
+        return [list(ids) for ids in tok(text=prompts)["input_ids"]]  # one batch, as GRPOTrainer
     raise TypeError(f"prompts must be strings or lists of {{role, content}} messages, got {prompts[0]!r:.200}")
 
 

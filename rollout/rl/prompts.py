@@ -47,10 +47,10 @@ def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], template_s
     or a list of {role, content} messages (always through the chat template, with a generation prompt).
     ``template_kwargs`` go to ``apply_chat_template`` (``tools``, ``chat_template``, ``enable_thinking``...)."""
     if isinstance(prompt, str) and not template_strings:
-        return prompt, list(tokenizer(prompt).input_ids)
+        return prompt, list(tokenizer(prompt)["input_ids"])
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
-    return text, list(tokenizer(text, add_special_tokens=False).input_ids)
+    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def load_rows(cfg: DataConfig) -> Any:
