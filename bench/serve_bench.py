@@ -68,9 +68,9 @@ def role_server(args: argparse.Namespace) -> None:
     import torch
 
     from rollout import Engine, SamplingParams
-    from rollout.job.config import SamplingConfig
     from rollout.serve.app import serve
     from rollout.serve.config import ServeConfig, ServerConfig
+    from rollout.settings.schema import SamplingConfig
 
     torch.cuda.set_device(args.device)
     b = _bench()

@@ -10,12 +10,12 @@ import pytest
 
 from rollout.assets import assets_dir, check_checkpoint_dir, materialize_default_model
 from rollout.job.actor import RolloutActor
-from rollout.job.config import DataConfig
 from rollout.job.data import PromptDataset, load_prompt_dataset
 from rollout.job.output_dir import prepare_output_dir
-from rollout.job.rewards import exact_match
 from rollout.job.trajectory_writer import TrajectoryWriter, read_trajectories
+from rollout.rl.rewards import exact_match
 from rollout.sampling_params import SamplingParams
+from rollout.settings.schema import DataConfig
 from tests.job_fakes import FakeEngine
 
 
@@ -183,8 +183,8 @@ def test_writer_rounds_resume_and_torn_metrics(tmp_path: Path, tokenizer) -> Non
 
 
 def test_wandb_online_without_account_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
-    from rollout.job.config import WandbConfig
-    from rollout.job.wandb_logger import WandbLogger
+    from rollout.rl.wandb_logger import WandbLogger
+    from rollout.settings.schema import WandbConfig
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc credentials

@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from rollout.config import EngineConfig
 from rollout.job.config import JobConfig
-from rollout.job.rewards import exact_match, get_reward_fn, last_integer
+from rollout.rl.rewards import exact_match, get_reward_fn, last_integer
 from rollout.sampling_params import SamplingParams
 from tests.script_helpers import compose
 
@@ -156,7 +156,8 @@ def test_reward_lookup() -> None:
 
 
 def test_pool_group_is_validated() -> None:
-    from rollout.job.config import JobConfig, PoolConfig
+    from rollout.job.config import JobConfig
+    from rollout.settings.schema import PoolConfig
 
     assert JobConfig.from_dict({"output_dir": "x"}).pool == PoolConfig(replicas=1, address="local", gpus_per_replica=1)
     assert JobConfig.from_dict({"output_dir": "x", "pool": {"replicas": 2}}).pool.replicas == 2

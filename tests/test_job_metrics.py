@@ -12,7 +12,8 @@ import pytest
 from rollout import SamplingParams
 from rollout.job.actor import RolloutActor
 from rollout.job.data import PromptDataset
-from rollout.job.round_metrics import PoolMeter, engine_window_metrics, percentile
+from rollout.job.round_metrics import engine_window_metrics, percentile
+from rollout.rl.metrics import PoolMeter
 from tests.engine_helpers import make_engine
 from tests.job_fakes import FakeEngine, zero_stats
 from tests.tiny_models import make_tiny_hf_model
@@ -93,8 +94,8 @@ def test_pool_replica_metrics_per_round(tokenizer) -> None:
 
 
 def test_wandb_logs_pool_keys_against_the_round(tmp_path: Path) -> None:
-    from rollout.job.config import WandbConfig
-    from rollout.job.wandb_logger import WandbLogger
+    from rollout.rl.wandb_logger import WandbLogger
+    from rollout.settings.schema import WandbConfig
 
     logged = []
     logger = WandbLogger(WandbConfig(mode="disabled"), tmp_path, {})

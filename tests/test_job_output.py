@@ -10,13 +10,13 @@ import datasets
 import pyarrow.dataset as pads
 import pytest
 
-from rollout.job.config import DataConfig
 from rollout.job.data import PromptDataset, PromptLimits, load_prompt_dataset
 from rollout.job.output_dir import LOCK_FILE, OutputDirLock
 from rollout.job.seeds import request_seed
 from rollout.job.trajectory import Trajectory
 from rollout.job.trajectory_writer import TrajectoryWriter, read_trajectories
 from rollout.sampling_params import SamplingParams
+from rollout.settings.schema import DataConfig
 
 LIMITS = PromptLimits(vocab_size=100, max_model_len=64, max_kv_tokens=48)
 

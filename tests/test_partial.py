@@ -10,12 +10,12 @@ import datasets
 import pytest
 
 from rollout.job.actor import RolloutActor
-from rollout.job.config import DataConfig
 from rollout.job.data import PromptDataset, load_prompt_dataset
-from rollout.job.round_metrics import tail_batch_size
 from rollout.job.seeds import request_seed
 from rollout.job.trajectory_writer import TrajectoryWriter, read_trajectories
+from rollout.rl.metrics import tail_batch_size
 from rollout.sampling_params import SamplingParams
+from rollout.settings.schema import DataConfig
 from tests.job_fakes import FakeEngine
 
 N = 2

@@ -64,7 +64,7 @@ def test_unknown_preset_lists_what_exists():
 def test_hub_name_offline_says_so(monkeypatch):
     import huggingface_hub
 
-    from rollout.job.hub import is_hub_name, resolve_model_path
+    from rollout.settings.model import is_hub_name, resolve_model_path
 
     def offline(**_):
         raise huggingface_hub.errors.LocalEntryNotFoundError("outgoing traffic has been disabled")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rollout.job.config import RolloutConfig
-from rollout.job.rewards import REWARDS, check_reward_spec, get_reward_fn, load_reward
+from rollout.rl.rewards import REWARDS, check_reward_spec, get_reward_fn, load_reward
 
 NOT_CALLABLE = 3
 

@@ -337,8 +337,8 @@ def test_partial_mode_crash_and_resume_writes_every_group_once(cache_dir: Path, 
 
 
 def test_wandb_gets_histograms_not_dicts(tmp_path: Path) -> None:
-    from rollout.job.config import WandbConfig
-    from rollout.job.wandb_logger import WandbLogger
+    from rollout.rl.wandb_logger import WandbLogger
+    from rollout.settings.schema import WandbConfig
 
     logged = []
     logger = WandbLogger(WandbConfig(mode="disabled"), tmp_path, {})

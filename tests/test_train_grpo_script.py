@@ -155,7 +155,7 @@ def test_wandb_env_wins_over_an_earlier_wandb_setup(tmp_path, monkeypatch):
     ``logger.wandb.mode=online`` without an account, say), the trainer's offline run asked for a login."""
     import wandb
 
-    from rollout.job.config import WandbConfig
+    from rollout.settings.schema import WandbConfig
     from trainer_hooks.train_setup import wandb_env
 
     for key in ("WANDB_MODE", "WANDB_PROJECT", "WANDB_DIR", "WANDB_DISABLE_GIT", "WANDB_CONSOLE", "WANDB_SILENT"):

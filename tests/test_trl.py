@@ -192,7 +192,7 @@ def test_peft_adapter_is_merged_for_the_push_only():
 
 
 def test_rewards_in_trl_convention_and_actor_target(tok):
-    from rollout.job.rewards import exact_match
+    from rollout.rl.rewards import exact_match
 
     reward = trl_reward(exact_match)
     assert reward.__name__ == "exact_match"

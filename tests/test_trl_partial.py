@@ -74,7 +74,7 @@ def _check_groups(rows, outs, n_groups):
 def _snapshot(rollout):
     """Tokens each running sample holds now (group id, sample index) -> count."""
     held = {}
-    for rid, group in rollout.partial._running.items():
+    for rid, group in rollout.partial.tracker.running.items():
         for c in rollout.engine.partial_output(rid).outputs:
             held[(group.group_id, c.index)] = len(c.token_ids)
     return held
@@ -96,7 +96,8 @@ def test_partial_calls_hand_out_each_group_once_with_versions_changing_at_each_p
         returned += gids
         snaps.append(_snapshot(rollout))
         m = rollout.last_metrics
-        assert m["rollout/carried_over_groups"] == len(rollout.partial._running) + len(rollout.partial._ready) == 4
+        tracker = rollout.partial.tracker
+        assert m["rollout/carried_over_groups"] == len(tracker.running) + len(tracker.ready) == 4
         assert m["rollout/carried_over_tokens"] == sum(snaps[-1].values())
         # The versions of each row: per token, the call (= pushed version) that generated it.
         crossed += sum(len(set(v)) > 1 for v in rows["policy_versions"])
@@ -224,7 +225,7 @@ def test_partial_on_the_engine_with_an_eval_call_between(tok):
         returned += _check_groups(rows, rollout.last_outputs, 3)
         crossed += sum(len(set(v)) > 1 for v in rows["policy_versions"])
         if call == 0:
-            assert rollout.partial._running, "nothing carried over: the test proves nothing"
+            assert rollout.partial.tracker.running, "nothing carried over: the test proves nothing"
             eval_prompts = _batch(dataset, [14, 15])
             ev = rollout(eval_prompts, trainer(call, training=False))
             assert GROUP_KEY not in ev and ev["prompt_ids"] == [tok(text=p)["input_ids"] for p in eval_prompts]
@@ -296,8 +297,8 @@ def test_async_worker_counts_carry_over_and_drops_stale_groups(tok, max_stalenes
         worker._tick()  # no thread: the loop's body, one engine step at a time
     before = _drain_queue(worker.rollout_buffer)
     assert before and all(s.metrics["rollout/policy_version_max"] == 0 for s in before)
-    held = sum(len(c.token_ids) for rid in worker._pending for c in engine.partial_output(rid).outputs)
-    running = len(worker._pending)
+    held = sum(len(c.token_ids) for rid in worker.tracker.running for c in engine.partial_output(rid).outputs)
+    running = len(worker.tracker.running)
     assert running and held
     engine.update_weights({}, version=1)  # what EngineWeightTransfer does, between two steps
     for _ in range(30):

@@ -13,7 +13,7 @@ engine metrics on the worker's ``metrics_queue``, which the trainer drains into 
 
 The worker is partial rollouts by construction: groups are handed out as they finish, and a push lands
 between two steps while the others keep generating. What it shares with the job's ``rollout.mode=partial``
-(``rollout.job.staleness``): ``max_staleness`` drops groups whose oldest token is more versions behind the
+(``rollout.rl.groups.GroupTracker``): ``max_staleness`` drops groups whose oldest token is more versions behind the
 engine's weights, running ones at a push (not worth finishing) and finished ones before they are scored
 (counted as ``rollout/dropped_groups_total``; TRL's own ``max_staleness`` drops samples later, when the
 trainer takes them); at each push ``rollout/carried_over_groups`` / ``_tokens`` (groups still running and the
@@ -37,7 +37,9 @@ import numpy as np
 import torch
 
 from rollout.api import ContinuousBackend, RolloutBackend, require_backend
-from rollout.job.staleness import carried_tokens, check_max_staleness, stale_running, too_stale
+from rollout.rl.groups import Group, GroupTracker
+from rollout.rl.metrics import RoundTrace
+from rollout.rl.prompts import encode_prompt
 from trainer_hooks.engine_metrics import EngineWindow, policy_lag
 from trainer_hooks.trl import sampling_params_from_args
 from trainer_hooks.weights import push_weights
@@ -88,11 +90,11 @@ class EngineRolloutWorker:
                  tokenizer: Any, args: Any, max_inflight: int | None = None, max_staleness: int | None = None
                  ) -> None:
         self.engine = require_backend(engine, "the async GRPO rollout worker", ContinuousBackend)
-        check_max_staleness(max_staleness)
         if args.num_generations < 1:
             raise ValueError(f"num_generations must be >= 1, got {args.num_generations}")
         if len(dataset) == 0 or "prompt" not in dataset.column_names:
             raise ValueError(f"the dataset needs rows with a 'prompt' column, got {dataset.column_names}")
+        self.tracker = GroupTracker(self.engine, max_staleness)  # a group: its prompt, ids and dataset row (columns)
         self.dataset, self.reward_funcs, self.tokenizer = dataset, list(reward_funcs), tokenizer
         self.n = args.num_generations
         self.params = dataclasses.replace(sampling_params_from_args(args, self._eos_ids(tokenizer)), n=self.n)
@@ -106,10 +108,8 @@ class EngineRolloutWorker:
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pending: dict[str, tuple[int, dict[str, Any], list[int]]] = {}
         self._next_group = 0
         self._window: EngineWindow | None = None
-        self.max_staleness = max_staleness
         self.dropped_groups = 0
         self._seen_version = self.engine.policy_version
 
@@ -133,11 +133,7 @@ class EngineRolloutWorker:
         if self._thread is not None:
             self._thread.join(timeout=60)
             self._thread = None
-        for request_id in list(self._pending):
-            self.engine.abort(request_id)
-        self._pending.clear()
-        while self.engine.has_unfinished_requests():  # drain the aborted outputs
-            self.engine.step()
+        self.tracker.withdraw()
 
     def update_model_version(self, model_version: int) -> None:
         self.model_version = int(model_version)
@@ -162,26 +158,31 @@ class EngineRolloutWorker:
         self.heartbeat = time.time()
         if self.engine.policy_version != self._seen_version:
             self._new_weights()
-        while (len(self._pending) + 1) * self.n + self.rollout_buffer.qsize() <= self.max_inflight:
+        while (len(self.tracker.running) + 1) * self.n + self.rollout_buffer.qsize() <= self.max_inflight:
             self._submit()
-        if not self._pending:
+        if not self.tracker.running:
             time.sleep(0.01)  # backpressure: the trainer has enough samples waiting
             return
-        for out in self.engine.step():
-            if out.request_id in self._pending:
-                self._finish(out, *self._pending.pop(out.request_id))
+        self.tracker.collect(self.engine.step())
+        trace = RoundTrace(0.0)
+        for group in self.tracker.take(len(self.tracker.ready), trace):  # the too stale are dropped
+            self._finish(group)
+        if trace.dropped_groups:
+            dropped: dict[str, float] = {}
+            self._count_dropped(trace.dropped_groups, dropped)
+            with contextlib.suppress(queue.Full):
+                self.metrics_queue.put_nowait(dropped)
 
     def _new_weights(self) -> None:
         """After a push: stop the groups already over ``max_staleness``; count what carries over."""
         self._seen_version = self.engine.policy_version
-        stale = stale_running(self.engine, self._pending, self.max_staleness)
-        for request_id in stale:
-            self.engine.abort(request_id)  # its "abort" output comes back from a later step and is ignored
-            del self._pending[request_id]
-        metrics = {"rollout/carried_over_groups": float(len(self._pending)),
-                   "rollout/carried_over_tokens": float(carried_tokens(self.engine, self._pending))}
-        if stale:
-            self._count_dropped(len(stale), metrics)
+        trace = RoundTrace(0.0)
+        self.tracker.stop_stale(trace)
+        self.tracker.carry_over(trace)
+        metrics = {"rollout/carried_over_groups": float(trace.carried_over_groups),
+                   "rollout/carried_over_tokens": float(trace.carried_over_tokens)}
+        if trace.dropped_groups:
+            self._count_dropped(trace.dropped_groups, metrics)
         with contextlib.suppress(queue.Full):
             self.metrics_queue.put_nowait(metrics)
 
@@ -193,26 +194,13 @@ class EngineRolloutWorker:
         group = self._next_group
         self._next_group += 1
         row = self.dataset[group % len(self.dataset)]
-        ids = self._encode(row["prompt"])
-        request_id = self.engine.add_request(ids, self.params, f"async-grpo-group{group}")
-        self._pending[request_id] = (group, row, ids)
+        _, ids = encode_prompt(self.tokenizer, row["prompt"], **self.chat_template_kwargs)
+        self.tracker.admit(Group(group, row["prompt"], ids, row), self.params, f"async-grpo-group{group}")
 
-    def _encode(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer(text=prompt)["input_ids"])
-        return list(self.tokenizer.apply_chat_template(
-            prompt, add_generation_prompt=True, tokenize=True, return_dict=True, **self.chat_template_kwargs
-        )["input_ids"])
-
-    def _finish(self, out: Any, group: int, row: dict[str, Any], prompt_ids: list[int]) -> None:
+    def _finish(self, group: Group) -> None:
         from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-        if too_stale(out, self.engine.policy_version, self.max_staleness):
-            dropped: dict[str, float] = {}
-            self._count_dropped(1, dropped)
-            with contextlib.suppress(queue.Full):
-                self.metrics_queue.put_nowait(dropped)
-            return
+        out, row, prompt_ids = group.output, group.columns or {}, list(group.prompt_ids)
         comps = sorted(out.outputs, key=lambda c: c.index)
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps]
         conversational = not isinstance(row["prompt"], str)
@@ -238,7 +226,7 @@ class EngineRolloutWorker:
                 old_log_probs=np.asarray([0.0] * p + list(c.logprobs), dtype=np.float32),
                 advantage=float(advantages[i]),
                 model_version=min(c.policy_versions) if c.policy_versions else self.engine.policy_version,
-                group_id=group, metrics=metrics, enqueued_at=now,
+                group_id=group.group_id, metrics=metrics, enqueued_at=now,
             ))
         engine_metrics = {"rollout/completion_len_mean": float(np.mean([len(c.token_ids) for c in comps]))}
         engine_metrics.update(policy_lag(self.model_version, [c.policy_versions for c in comps]))

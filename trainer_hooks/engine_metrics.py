@@ -9,7 +9,7 @@ so windows never overlap and nothing in the engine is reset.
 - ``rollout/weight_push_s``, ``rollout/policy_version``, ``rollout/policy_lag_mean`` / ``_max`` (trainer
   version minus the oldest version among a completion's tokens)
 - ``rollout/logprob_gap_mean`` / ``_max``: |trainer logprob - engine logprob| per completion token
-- partial rollouts, named as the main job's round metrics (``rollout.job.round_metrics.partial_metrics``):
+- partial rollouts, named as the main job's round metrics (``rollout.rl.metrics.partial_metrics``):
   ``rollout/staleness_mean`` / ``_max`` (of the groups handed out), ``rollout/dropped_groups``,
   ``rollout/regenerated_groups``, ``rollout/carried_over_groups`` / ``_tokens`` (still running at the end of
   the call, or at a weight push for the async worker), ``rollout/tail_batch_size``
@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rollout.job.round_metrics import PoolMeter, RoundTrace, partial_metrics, tail_batch_size
+from rollout.rl.metrics import PoolMeter, RoundTrace, partial_metrics, tail_batch_size
 
 
 class EngineWindow:

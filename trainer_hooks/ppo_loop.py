@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from rollout.api import require_backend
+from rollout.rl.prompts import encode_prompt
 from rollout.sampling_params import SamplingParams
 from trainer_hooks.engine_metrics import EngineWindow
 from trainer_hooks.ppo import (
@@ -135,10 +136,7 @@ class EnginePPO:
         return RolloutBatch(seqs, behaviour, versions, advantages, returns, values, metrics)
 
     def encode(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer(text=prompt)["input_ids"])
-        return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=True)["input_ids"])
+        return encode_prompt(self.tokenizer, prompt)[1]
 
     def score(self, flat: list[tuple[dict[str, Any], Any, Any]]) -> tuple[torch.Tensor, float]:
         """Scores from the reward (TRL's signature and columns); an unscorable completion (None) scores 0."""

@@ -16,8 +16,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rollout.job.config import DataConfig, JobConfig, WandbConfig
-from rollout.job.rewards import NEEDS_ANSWER, check_reward_spec, is_import_path
+from rollout.rl.prompts import load_rows, use_chat_template
+from rollout.rl.rewards import NEEDS_ANSWER, check_reward_spec, is_import_path
+from rollout.settings import model as settings_model
+from rollout.settings.schema import DataConfig, RunConfig, WandbConfig
 
 log = logging.getLogger("rollout.train")
 
@@ -51,15 +53,15 @@ def check_common(train: Any) -> None:
     check_reward_spec(train.reward, "train.reward")
 
 
-def load_job(raw: Mapping[str, Any], train_cls: type) -> tuple[JobConfig, Any]:
-    """The shared groups through JobConfig (same checks and messages as the main job), plus ``train``."""
+def load_job(raw: Mapping[str, Any], train_cls: type) -> tuple[RunConfig, Any]:
+    """The shared groups through RunConfig (same checks and messages as the main job), plus ``train``."""
     raw = dict(raw)
     train = dict(raw.pop("train", None) or {})
     names = {f.name for f in dataclasses.fields(train_cls)}
     unknown = sorted(set(train) - names)
     if unknown:
         raise ValueError(f"unknown key(s) {[f'train.{k}' for k in unknown]}; allowed: {sorted(names)}")
-    job = JobConfig.from_dict(raw)
+    job = RunConfig.from_dict(raw)
     if job.sampling.logprobs_mode != "policy":
         raise ValueError(f"sampling.logprobs_mode={job.sampling.logprobs_mode!r} is invalid for training: "
                          "must be 'policy' (the logprob the trainer recomputes)")
@@ -67,38 +69,26 @@ def load_job(raw: Mapping[str, Any], train_cls: type) -> tuple[JobConfig, Any]:
 
 
 # ---- model, tokenizer, data, engine ---------------------------------------------------------------------
-def model_dir(job: JobConfig) -> Path:
+def model_dir(job: RunConfig) -> Path:
     """The checkpoint dir: a local dir, a hub name (fetched once), or the embedded random-init default."""
-    from rollout.job.setup import model_dir as job_model_dir
-
-    return job_model_dir(job)
+    return settings_model.model_dir(job.model)
 
 
-def load_tokenizer(job: JobConfig, checkpoint: Path) -> Any:
-    from transformers import AutoTokenizer
+def load_tokenizer(job: RunConfig, checkpoint: Path) -> Any:
+    from rollout.rl.prompts import load_tokenizer as load
 
-    where = job.model.tokenizer or str(checkpoint)
-    try:
-        return AutoTokenizer.from_pretrained(where)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"training needs a tokenizer; none loads from {where!r} ({e}); set model.tokenizer") from None
+    return load(checkpoint, job.model.tokenizer, needed_by="training")
 
 
-def make_engine(job: JobConfig, checkpoint: Path, tokenizer: Any, torch_threads: int | None = None) -> Any:
+def make_engine(job: RunConfig, checkpoint: Path, tokenizer: Any, torch_threads: int | None = None) -> Any:
     """The in-process engine, or with ``pool.replicas`` > 1 a ``RolloutPool`` of that many Ray actors (each
     loads the checkpoint itself; ``generate`` and ``update_weights`` as an engine's, so ``TRLRollout`` takes it)."""
-    from rollout import Engine
-
     if job.pool.replicas > 1:
         return make_pool(job, checkpoint, torch_threads)
-    try:
-        return Engine.from_pretrained(str(checkpoint), dtype=job.model.dtype, device=job.model.device,
-                                      tokenizer=tokenizer, **dataclasses.asdict(job.engine))
-    except (KeyError, OSError) as e:  # an architecture the engine lacks, a missing tensor
-        raise ValueError(f"cannot load the model in {str(checkpoint)!r}: {e}") from None
+    return settings_model.load_engine(job.model, job.engine, checkpoint, tokenizer)
 
 
-def make_pool(job: JobConfig, checkpoint: Path, torch_threads: int | None = None) -> Any:
+def make_pool(job: RunConfig, checkpoint: Path, torch_threads: int | None = None) -> Any:
     """A ``RolloutPool`` whose ``sleep()`` (``train.sleep_level``) sleeps the replicas that share the trainer's
     memory. With ``pool.colocate_with_trainer`` that is replica 0 alone: the others sit on GPUs the trainer
     does not use, so sleeping them frees nothing it could take, costs a KV-cache (and CUDA-graph) rebuild
@@ -118,14 +108,14 @@ def make_pool(job: JobConfig, checkpoint: Path, torch_threads: int | None = None
     return pool
 
 
-def trainer_device(job: JobConfig) -> Any:
+def trainer_device(job: RunConfig) -> Any:
     """Where the trainer's models live: ``model.device``, else the GPU if there is one."""
     import torch
 
     return torch.device(job.model.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def close_engine(job: JobConfig, engine: Any) -> None:
+def close_engine(job: RunConfig, engine: Any) -> None:
     """Stop what ``make_engine`` started outside this process: a pool's Ray actors (an in-process engine
     goes with the process; a server client owns nothing)."""
     if job.pool.replicas > 1:
@@ -134,8 +124,6 @@ def close_engine(job: JobConfig, engine: Any) -> None:
 
 def build_dataset(cfg: DataConfig, tokenizer: Any, reward: str) -> Any:
     """``prompt`` (chat messages when templated, as TRL expects) and ``answer`` columns from data.*."""
-    from rollout.job.data import load_rows
-
     rows = load_rows(cfg)
     fields = list(rows.column_names)
     where = cfg.path or "the embedded dataset"
@@ -145,8 +133,7 @@ def build_dataset(cfg: DataConfig, tokenizer: Any, reward: str) -> Any:
     if reward in NEEDS_ANSWER and answer is None:
         raise ValueError(f"train.reward={reward} needs answers but data.answer_field={cfg.answer_field!r} "
                          f"is not a field of {where!r}; its fields are {fields}")
-    has_template = getattr(tokenizer, "chat_template", None) is not None
-    template = has_template if cfg.apply_chat_template == "auto" else bool(cfg.apply_chat_template)
+    template = use_chat_template(tokenizer, cfg.apply_chat_template)
     keep = [f for f in fields if f not in (cfg.prompt_field, answer)] if is_import_path(reward) else []
 
     def convert(row: dict[str, Any]) -> dict[str, Any]:

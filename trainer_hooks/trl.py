@@ -18,7 +18,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from rollout.api import require_backend
-from rollout.job.rewards import completion_text, digit_fraction, trl_reward  # noqa: F401  (re-exported)
+from rollout.rl.prompts import encode_prompt
+from rollout.rl.rewards import completion_text, digit_fraction, trl_reward  # noqa: F401  (re-exported)
 from rollout.sampling_params import SamplingParams
 from trainer_hooks.engine_metrics import (
     EngineWindow,
@@ -241,18 +242,12 @@ def tokenize_prompts(prompts: list[Any], trainer: Any) -> list[list[int]]:
     if tok is None:
         raise ValueError("the trainer has no processing_class (tokenizer); it is needed to encode prompts")
     if _is_conversation(prompts[0]):
-        encoded = tok.apply_chat_template(
-            conversation=prompts,
-            tools=getattr(trainer, "tools", None) or None,
-            chat_template=getattr(trainer, "chat_template", None),
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-            **(getattr(trainer, "chat_template_kwargs", None) or {}),
-        )
-        return [list(ids) for ids in encoded["input_ids"]]
+        kwargs = dict(tools=getattr(trainer, "tools", None) or None,
+                      chat_template=getattr(trainer, "chat_template", None),
+                      **(getattr(trainer, "chat_template_kwargs", None) or {}))
+        return [encode_prompt(tok, p, **kwargs)[1] for p in prompts]
     if all(isinstance(p, str) for p in prompts):
-        return [list(ids) for ids in tok(text=prompts)["input_ids"]]
+        return [list(ids) for ids in tok(text=prompts)["input_ids"]]  # one batch, as GRPOTrainer
     raise TypeError(f"prompts must be strings or lists of {{role, content}} messages, got {prompts[0]!r:.200}")
 
 

@@ -22,9 +22,10 @@ prompt, so:
   ``reward_funcs=rollout.wrap_rewards([...])``, checked on every call. Reward models (``nn.Module``) cannot be
   wrapped (TRL feeds them its own prompt texts) and are refused, as are tools and environments.
 
-Staleness is the job's (``rollout.job.staleness``): versions between a group's oldest token and the weights at
-hand-out. After a push, running groups over ``max_staleness`` are stopped; a finished one over it is not handed
-out; either is dropped (counted) or regenerated from its prompt (``stale_groups``).
+The groups are kept as the job keeps them (``rollout.rl.groups.GroupTracker``), staleness included: versions
+between a group's oldest token and the weights at hand-out. After a push, running groups over ``max_staleness``
+are stopped; a finished one over it is not handed out; either is dropped (counted) or regenerated from its
+prompt (``stale_groups``).
 
 Limits: the engine steps only inside a call (nothing generates while the trainer trains); TRL's completions
 table (``log_completions``) pairs a carried-over completion with TRL's prompt of that row; groups in flight
@@ -39,34 +40,16 @@ import inspect
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from rollout.api import ContinuousBackend, require_backend
-from rollout.job.round_metrics import RoundTrace
-from rollout.job.staleness import (
-    carried_tokens,
-    check_max_staleness,
-    check_stale_groups,
-    stale_running,
-    staleness,
-    too_stale,
-)
+from rollout.rl.groups import Group, GroupTracker
+from rollout.rl.metrics import RoundTrace
 
 GROUP_KEY = "rollout_group_id"
 ROW_KEYS = ("policy_version", "policy_versions", GROUP_KEY)  # what the rows add to TRL's columns
 NOT_COLUMNS = (*ROW_KEYS, "completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
 Encode = Callable[[list[Any]], list[list[int]]]
-
-
-@dataclass(slots=True)
-class PartialGroup:
-    group_id: int
-    prompt: Any  # as TRL passed it, or the dataset row's "prompt"
-    prompt_ids: list[int]
-    columns: dict[str, Any] | None = None  # the row's other dataset columns (TRL's: None until a reward sees them)
-    request_id: str = ""
-    output: Any = None  # the finished RequestOutput
 
 
 class PartialRollouts:
@@ -77,75 +60,70 @@ class PartialRollouts:
         if max_inflight_groups is not None and (isinstance(max_inflight_groups, bool)
                                                 or not isinstance(max_inflight_groups, int) or max_inflight_groups < 1):
             raise ValueError(f"max_inflight_groups={max_inflight_groups!r} is invalid: must be an int >= 1 or None")
-        check_max_staleness(max_staleness)
-        check_stale_groups(stale_groups)
         self.engine = require_backend(engine, "TRLRollout(mode='partial')", ContinuousBackend)
-        self.max_inflight_groups = max_inflight_groups
-        self.max_staleness, self.stale_groups, self.prompt_dataset = max_staleness, stale_groups, prompt_dataset
-        self.groups: dict[int, PartialGroup] = {}  # admitted and not yet forgotten (a call after their hand-out)
+        # a group's prompt: as TRL passed it, or the dataset row's "prompt"; its columns: the row's other dataset
+        # columns (TRL's: None until a reward function sees them)
+        self.tracker = GroupTracker(engine, max_staleness, stale_groups)
+        self.max_inflight_groups, self.prompt_dataset = max_inflight_groups, prompt_dataset
         self.incoming: list[int] = []  # the group of each row TRL passed to the latest call
-        self._running: dict[str, PartialGroup] = {}  # request id -> group
-        self._ready: list[PartialGroup] = []  # finished, not handed out yet
-        self._handed: list[int] = []
+        self.handed: dict[int, Group] = {}  # the latest call's groups (their rewards are computed after it)
         self._next_id = 0
         self._requests = 0
         self._order: list[int] = []
         self._epoch = 0
 
     # ---- one call -----------------------------------------------------------------------------------------
+    @property
+    def groups(self) -> dict[int, Group]:
+        """Admitted and not yet forgotten: in flight, or handed out by the latest call."""
+        return {**self.handed, **self.tracker.groups}
+
     def generate(self, prompts: list[Any], prompt_ids: list[list[int]], params: Any, seed: int,
-                 train_dataset: Any, encode: Encode) -> tuple[list[PartialGroup], RoundTrace]:
+                 train_dataset: Any, encode: Encode) -> tuple[list[Group], RoundTrace]:
         """Admit TRL's groups (runs of ``params.n`` identical prompts), top the engine up, and step until as
         many complete groups as TRL passed can be handed out; returns them oldest first, with the call's trace."""
         n = params.n
         if len(prompts) % n or any(prompt_ids[i] != prompt_ids[i - i % n] for i in range(len(prompt_ids))):
             raise ValueError(f"mode='partial' needs the prompts in runs of num_generations={n} identical ones "
                              f"(GRPOTrainer's order); got {len(prompts)} prompts not in such runs")
-        for g in self._handed:
-            self.groups.pop(g, None)
+        self.handed = {}
         trace = RoundTrace(time.perf_counter())
-        for rid in stale_running(self.engine, self._running, self.max_staleness):
-            self.engine.abort(rid)  # its "abort" output comes back from a later step and is ignored
-            self._discard(self._running.pop(rid), params, trace)
+        self.tracker.stop_stale(trace)
+        self._regenerate(params)
         incoming = [self._admit(prompts[i], prompt_ids[i], params) for i in range(0, len(prompts), n)]
         self.incoming = [g.group_id for g in incoming for _ in range(n)]
         target = self.max_inflight_groups or 2 * len(incoming)
-        while len(self._running) + len(self._ready) < target:
+        while len(self.tracker.groups) < target:
             row = self._lookahead_row(seed, train_dataset)
             prompt = row.pop("prompt")
             self._admit(prompt, encode([prompt])[0], params, columns=row)
         handed = self._drive(len(incoming), params, trace)
-        trace.carried_over_groups = len(self._running) + len(self._ready)
-        trace.carried_over_tokens = carried_tokens(self.engine, self._running)
-        self._handed = [g.group_id for g in handed]
+        self.tracker.carry_over(trace)
+        self.handed = {g.group_id: g for g in handed}
         return handed, trace
 
     def close(self) -> None:
         """Abort the groups still in flight (they are never handed out)."""
-        for rid in self._running:
-            self.engine.abort(rid)
-        self._running.clear()
-        self._ready.clear()
-        while self.engine.has_unfinished_requests():  # collect the aborted outputs
-            self.engine.step()
+        self.tracker.withdraw()
+        self.tracker.ready.clear()
 
     def _admit(self, prompt: Any, prompt_ids: list[int], params: Any, columns: dict[str, Any] | None = None,
-               group: PartialGroup | None = None) -> PartialGroup:
+               group: Group | None = None) -> Group:
         if group is None:
-            group = PartialGroup(self._next_id, prompt, list(prompt_ids), columns)
-        request_id = f"trl-group{group.group_id}-{self._requests}"
-        self.engine.add_request(list(group.prompt_ids), params, request_id)  # a refused prompt raises here
+            group = Group(self._next_id, prompt, list(prompt_ids), columns)
+        self.tracker.admit(group, params, f"trl-group{group.group_id}-{self._requests}")  # a refused prompt raises
         self._requests += 1
         if group.group_id == self._next_id:
             self._next_id += 1
-            self.groups[group.group_id] = group
-        group.request_id = request_id
-        self._running[request_id] = group
         return group
 
-    def _drive(self, wanted: int, params: Any, trace: RoundTrace) -> list[PartialGroup]:
-        handed: list[PartialGroup] = []
-        self._take_ready(handed, wanted, params, trace)
+    def _regenerate(self, params: Any) -> None:
+        """Admit again, from their prompts, the groups discarded as stale (``stale_groups=regenerate``)."""
+        while self.tracker.regenerate:
+            self._admit(None, [], params, group=self.tracker.regenerate.pop(0))
+
+    def _drive(self, wanted: int, params: Any, trace: RoundTrace) -> list[Group]:
+        handed = self._take(wanted, params, trace)
         scheduled = self.engine.get_stats().num_scheduled_seqs
         while len(handed) < wanted:
             if not self.engine.has_unfinished_requests():
@@ -155,32 +133,14 @@ class PartialRollouts:
             stats = self.engine.get_stats()
             trace.steps.append((time.perf_counter(), stats.num_scheduled_seqs - scheduled))
             scheduled = stats.num_scheduled_seqs
-            for out in outs:
-                group = self._running.pop(out.request_id, None)
-                if group is not None:  # else: stopped for staleness
-                    group.output = out
-                    self._ready.append(group)
-            self._take_ready(handed, wanted, params, trace)
+            self.tracker.collect(outs)
+            handed += self._take(wanted - len(handed), params, trace)
         return handed
 
-    def _take_ready(self, handed: list[PartialGroup], wanted: int, params: Any, trace: RoundTrace) -> None:
-        self._ready.sort(key=lambda g: g.group_id)
-        while self._ready and len(handed) < wanted:
-            group = self._ready.pop(0)
-            if too_stale(group.output, self.engine.policy_version, self.max_staleness):
-                self._discard(group, params, trace)
-                continue
-            trace.staleness.append(staleness(group.output, self.engine.policy_version))
-            handed.append(group)
-
-    def _discard(self, group: PartialGroup, params: Any, trace: RoundTrace) -> None:
-        if self.stale_groups == "regenerate":
-            trace.regenerated_groups += 1
-            group.output = None
-            self._admit(group.prompt, group.prompt_ids, params, group=group)
-        else:
-            trace.dropped_groups += 1
-            self.groups.pop(group.group_id, None)
+    def _take(self, wanted: int, params: Any, trace: RoundTrace) -> list[Group]:
+        handed = self.tracker.take(wanted, trace)
+        self._regenerate(params)
+        return handed
 
     def _lookahead_row(self, seed: int, train_dataset: Any) -> dict[str, Any]:
         """The next row of the prompt dataset in a seeded order (reshuffled each pass)."""
@@ -228,11 +188,12 @@ class PartialRollouts:
             raise RuntimeError(f"a reward function got {len(prompts)} rows, {len(gids)} group ids, but the latest "
                                f"partial call took {len(self.incoming)} prompts")
         columns = [k for k, v in kw.items() if k not in NOT_COLUMNS and isinstance(v, list) and len(v) == len(prompts)]
+        groups = self.groups
         for i, g in enumerate(self.incoming):
-            group = self.groups.get(g)
+            group = groups.get(g)
             if group is not None and group.columns is None:
                 group.columns = {k: kw[k][i] for k in columns}
-        rows = [self.groups[int(g)] for g in gids]
+        rows = [groups[int(g)] for g in gids]
         out = dict(kw)
         for k in columns:
             out[k] = [(r.columns or {}).get(k) for r in rows]

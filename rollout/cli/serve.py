@@ -17,9 +17,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-import rollout.job.setup as setup
 from rollout.cli import quiet_progress_bars, resolved_config, run_or_exit
+from rollout.rl.prompts import load_tokenizer
 from rollout.serve.config import ServeConfig
+from rollout.settings.model import load_engine, model_dir
 
 log = logging.getLogger("rollout.serve")
 
@@ -30,9 +31,9 @@ def load_config(cfg: DictConfig) -> ServeConfig:
 
 def build_engine(config: ServeConfig) -> tuple[object, Path]:
     """(engine, checkpoint dir) the way the main job builds them (same groups, same checks)."""
-    model_dir = setup.model_dir(config)
-    tokenizer = setup.load_tokenizer(config.model.tokenizer or model_dir, explicit=config.model.tokenizer is not None)
-    return setup.load_engine(config, model_dir, tokenizer), model_dir
+    path = model_dir(config.model)
+    tokenizer = load_tokenizer(path, config.model.tokenizer)
+    return load_engine(config.model, config.engine, path, tokenizer), path
 
 
 def run(cfg: DictConfig) -> None:

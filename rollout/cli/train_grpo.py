@@ -36,8 +36,8 @@ from omegaconf import DictConfig
 from transformers import TrainerCallback
 
 from rollout.cli import quiet_progress_bars, resolved_config, run_or_exit
-from rollout.job.checks import check_choice
-from rollout.job.config import JobConfig, check_partial_keys
+from rollout.settings.checks import check_choice
+from rollout.settings.schema import RunConfig, check_partial_keys
 from trainer_hooks import train_setup as setup
 from trainer_hooks.engine_metrics import StepTimes
 
@@ -114,8 +114,8 @@ class RolloutMode:
                 "recompute_running": self.recompute_running}
 
 
-def load_config(raw: dict[str, Any]) -> tuple[JobConfig, TrainConfig, RolloutMode]:
-    """The shared groups through JobConfig (same checks and messages as the main job), plus ``train``
+def load_config(raw: dict[str, Any]) -> tuple[RunConfig, TrainConfig, RolloutMode]:
+    """The shared groups through RunConfig (same checks and messages as the main job), plus ``train``
     and ``rollout`` (where generation runs)."""
     raw = dict(raw)
     rollout = dict(raw.pop("rollout", None) or {})
@@ -152,10 +152,10 @@ def run(cfg: DictConfig) -> Path:
     return train_grpo(*load_config(resolved_config(cfg)))
 
 
-def train_grpo(job: JobConfig, train: TrainConfig, mode: RolloutMode | None = None) -> Path:
+def train_grpo(job: RunConfig, train: TrainConfig, mode: RolloutMode | None = None) -> Path:
     from transformers import PrinterCallback
 
-    from rollout.job.rewards import load_reward
+    from rollout.rl.rewards import load_reward
 
     out = Path(job.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -237,7 +237,7 @@ def check_passthrough(train: TrainConfig, cls: type) -> None:
                              f"{sorted(DERIVED)}")
 
 
-def trainer_args(job: JobConfig, train: TrainConfig, device: Any, report_to: list[str]) -> Any:
+def trainer_args(job: RunConfig, train: TrainConfig, device: Any, report_to: list[str]) -> Any:
     """GRPOConfig (or AsyncGRPOConfig): one optimizer step per generation batch of num_prompts groups."""
     s = job.sampling
     extra = dict(train.grpo)

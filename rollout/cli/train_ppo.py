@@ -27,7 +27,7 @@ import hydra
 from omegaconf import DictConfig
 
 from rollout.cli import quiet_progress_bars, resolved_config, run_or_exit
-from rollout.job.config import JobConfig
+from rollout.settings.schema import RunConfig
 from trainer_hooks import train_setup as setup
 from trainer_hooks.engine_metrics import StepTimes
 from trainer_hooks.ppo import PPO_FIELDS, PPOConfig
@@ -63,7 +63,7 @@ class TrainConfig:
         return PPOConfig(**self.ppo, learning_rate=self.learning_rate, max_grad_norm=self.max_grad_norm)
 
 
-def load_config(raw: dict[str, Any]) -> tuple[JobConfig, TrainConfig]:
+def load_config(raw: dict[str, Any]) -> tuple[RunConfig, TrainConfig]:
     job, train = setup.load_job(raw, TrainConfig)
     train.ppo_config()  # its checks run before anything loads
     if job.sampling.temperature <= 0:
@@ -78,12 +78,12 @@ def run(cfg: DictConfig, on_push: Any = None) -> Path:
     return train_ppo(job, train, on_push)
 
 
-def train_ppo(job: JobConfig, train: TrainConfig, on_push: Any = None) -> Path:
+def train_ppo(job: RunConfig, train: TrainConfig, on_push: Any = None) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollout.job.rewards import load_reward
-    from rollout.job.wandb_logger import WandbLogger
+    from rollout.rl.rewards import load_reward
+    from rollout.rl.wandb_logger import WandbLogger
     from trainer_hooks.ppo import ValueModel
     from trainer_hooks.ppo_loop import EnginePPO, batches
 

@@ -20,24 +20,23 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.api import ContinuousBackend, SteppedBackend, require_backend
-from rollout.job.data import Prompt, PromptDataset
-from rollout.job.rewards import RewardFn
-from rollout.job.round_metrics import PoolMeter, RoundTrace, round_metrics
+from rollout.job.data import PromptDataset
+from rollout.job.round_metrics import round_metrics
 from rollout.job.seeds import request_seed
-from rollout.job.staleness import STALE_POLICIES, carried_tokens, stale_running, staleness, too_stale
 from rollout.job.trajectory import Trajectory, group_trajectories
+from rollout.rl.groups import Group, GroupTracker
+from rollout.rl.metrics import PoolMeter, RoundTrace
+from rollout.rl.rewards import RewardFn
 from rollout.sampling_params import SamplingParams
 
 MODES = ("drain", "partial")
 StepCallback = Callable[[dict[str, float]], None]
-log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -46,15 +45,6 @@ class RoundResult:
     trajectories: list[Trajectory]
     metrics: dict[str, Any] = field(default_factory=dict)
     staleness: list[int] = field(default_factory=list)  # per group handed out (for a histogram)
-
-
-@dataclass(slots=True)
-class _Group:
-    group_id: int  # stream position
-    prompt: Prompt
-    request_id: str
-    round: int  # the round that admitted it: its seed derives from it
-    output: Any = None  # the finished RequestOutput
 
 
 class RolloutActor:
@@ -88,8 +78,6 @@ class RolloutActor:
             raise ValueError(f"start_round must be >= 0, got {start_round}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if stale_groups not in STALE_POLICIES:
-            raise ValueError(f"stale_groups must be one of {STALE_POLICIES}, got {stale_groups!r}")
         need = ContinuousBackend if mode == "partial" else SteppedBackend
         self.engine = require_backend(engine, f"the main job (rollout.mode={mode})", need)
         self.dataset, self.params = dataset, sampling_params
@@ -99,15 +87,15 @@ class RolloutActor:
         self.seed, self.mode, self.max_staleness, self.stale_groups = seed, mode, max_staleness, stale_groups
         self.recompute_running = recompute_running
         self.max_inflight_groups = max_inflight_groups or num_prompts
-        self._running: dict[str, _Group] = {}  # request id -> group, in the engine
-        self._ready: list[_Group] = []  # finished, waiting to be handed out
+        # groups by stream position; drain mode never discards (no staleness limit)
+        self.groups = GroupTracker(engine, max_staleness if mode == "partial" else None, stale_groups)
         self._next_group = start_round * num_prompts  # the next fresh stream position
-        self._regenerate: list[int] = []  # stream positions to submit (again) before fresh ones
         self._admitted: dict[int, int] = {}  # resumed group -> the round that admitted it before the stop
         if state is not None and mode == "partial":
             self._next_group = int(state["next_group"])
-            self._regenerate = sorted(int(g) for g in state["inflight_groups"])
             self._admitted = {int(g): int(r) for g, r in state.get("admitted", {}).items()}
+            for g in sorted(int(g) for g in state["inflight_groups"]):
+                self.groups.queue(Group(g))  # submitted (again) before fresh ones
         self._in_round = False
         self.copy_bandwidth = copy_bandwidth
         self._awaiting_first: dict[str, float] = {}  # request id -> submission time, in submission order
@@ -124,16 +112,16 @@ class RolloutActor:
 
     def in_flight(self) -> dict[str, int]:
         """Request id -> group id of every group running in the engine (carried over in partial mode)."""
-        return {rid: g.group_id for rid, g in self._running.items()}
+        return {rid: g.group_id for rid, g in self.groups.running.items()}
 
     def state(self) -> dict[str, Any]:
         """What a resume needs: the next fresh position, every group started but not handed out and the round
         that admitted each still running or finished (one waiting to be regenerated is admitted anew), and the
         policy version reached (a resume never goes below it)."""
-        admitted = {g.group_id: g.round for g in [*self._running.values(), *self._ready]}
-        admitted.update((g, self._admitted[g]) for g in self._regenerate if g in self._admitted)
-        pending = sorted([*admitted, *(g for g in self._regenerate if g not in admitted)])
-        return {"next_group": self._next_group, "inflight_groups": pending,
+        admitted = {g.group_id: g.round for g in [*self.groups.running.values(), *self.groups.ready]}
+        admitted.update((g.group_id, self._admitted[g.group_id]) for g in self.groups.regenerate
+                        if g.group_id in self._admitted)
+        return {"next_group": self._next_group, "inflight_groups": sorted(self.groups.groups),
                 "admitted": {str(g): admitted[g] for g in sorted(admitted)},
                 "policy_version": self.engine.policy_version}
 
@@ -157,7 +145,8 @@ class RolloutActor:
         self._in_round = True
         try:
             if self.partial:
-                self._drop_stale_running(trace)
+                for rid in self.groups.stop_stale(trace):
+                    self._awaiting_first.pop(rid, None)
                 self._fill(r)
             else:
                 self._submit(r, [r * self.num_prompts + i for i in range(self.num_prompts)])
@@ -167,8 +156,7 @@ class RolloutActor:
             self._in_round = False
         t1 = time.perf_counter()
         trajectories = [t for g in handed for t in self._rows(r, g)]
-        trace.carried_over_groups = len(self._running) + len(self._ready) + len(self._regenerate)
-        trace.carried_over_tokens = self._carried_tokens()
+        self.groups.carry_over(trace)
         after = self.engine.get_stats()
         metrics = round_metrics(r, trajectories, before, after, trace, t1, self.partial, self.copy_bandwidth)
         if after.pool is not None:
@@ -184,8 +172,7 @@ class RolloutActor:
                 prompt = self.dataset.get(g)
                 admitted = self._admitted.pop(g, r)  # a resumed group keeps the round (and seed) it had
                 rid = f"round{admitted}-group{g}"
-                self.engine.add_request(list(prompt.token_ids), self._params(admitted, g), rid)
-                self._running[rid] = _Group(g, prompt, rid, admitted)
+                self.groups.admit(Group(g, prompt, prompt.token_ids, round=admitted), self._params(admitted, g), rid)
                 self._awaiting_first[rid] = time.perf_counter()
         except Exception:
             self._withdraw_all()
@@ -193,11 +180,11 @@ class RolloutActor:
 
     def _fill(self, r: int) -> None:
         """Partial mode: top the engine up to ``max_inflight_groups`` groups, regenerations first."""
-        wanted = self.max_inflight_groups - len(self._running)
+        wanted = self.max_inflight_groups - len(self.groups.running)
         positions = []
         while len(positions) < wanted:
-            if self._regenerate:
-                positions.append(self._regenerate.pop(0))
+            if self.groups.regenerate:
+                positions.append(self.groups.regenerate.pop(0).group_id)
             else:
                 positions.append(self._next_group)
                 self._next_group += 1
@@ -210,45 +197,13 @@ class RolloutActor:
         return dataclasses.replace(self.params, seed=request_seed(self.seed, r, group))
 
     def _withdraw_all(self) -> None:
-        for rid in self._running:
-            self.engine.abort(rid)
-        self._running.clear()
+        self.groups.withdraw()
         self._awaiting_first.clear()
-        while self.engine.has_unfinished_requests():  # drain the aborted outputs
-            self.engine.step()
-
-    # ---- staleness ------------------------------------------------------------------------------------------
-    def _staleness(self, out: Any) -> int:
-        return staleness(out, self.engine.policy_version)
-
-    def _too_stale(self, out: Any) -> bool:
-        return too_stale(out, self.engine.policy_version, self.max_staleness)
-
-    def _discard(self, group: _Group, trace: RoundTrace) -> None:
-        if self.stale_groups == "regenerate":
-            self._regenerate.append(group.group_id)
-            trace.regenerated_groups += 1
-        else:
-            trace.dropped_groups += 1
-        log.info("group %d is over rollout.max_staleness=%s: %s", group.group_id, self.max_staleness,
-                 "regenerated" if self.stale_groups == "regenerate" else "dropped")
-
-    def _drop_stale_running(self, trace: RoundTrace) -> None:
-        """At a round's start (after any new weights): stop the running groups already too stale."""
-        for rid in stale_running(self.engine, self._running, self.max_staleness):
-            self.engine.abort(rid)  # its "abort" output comes back from a later step and is ignored
-            group = self._running.pop(rid)
-            self._awaiting_first.pop(rid, None)
-            self._discard(group, trace)
-
-    def _carried_tokens(self) -> int:
-        return carried_tokens(self.engine, self._running)
 
     # ---- the loop -------------------------------------------------------------------------------------------
-    def _drive(self, r: int, trace: RoundTrace, generated0: int) -> list[_Group]:
+    def _drive(self, r: int, trace: RoundTrace, generated0: int) -> list[Group]:
         """Step until ``num_prompts`` groups can be handed out; returns them by group id."""
-        handed: list[_Group] = []
-        self._take_ready(handed, trace)
+        handed = self.groups.take(self.num_prompts, trace)
         bar = _progress_bar(self.num_prompts * self.params.n, f"round {r}", self.progress)
         window = [trace.t0, generated0]
         steps, scheduled = 0, self.engine.get_stats().num_scheduled_seqs
@@ -267,12 +222,11 @@ class RolloutActor:
                 scheduled = stats.num_scheduled_seqs
                 trace.kv.append(stats.kv_cache_usage)
                 self._observe_first_tokens(outs, stats, trace, now)
-                for out in outs:
-                    group = self._running.pop(out.request_id, None)
-                    if group is not None:  # else: a group withdrawn for staleness
-                        group.output = out
-                        self._ready.append(group)
-                self._take_ready(handed, trace, bar)
+                self.groups.collect(outs)
+                taken = self.groups.take(self.num_prompts - len(handed), trace)
+                handed += taken
+                if bar is not None:
+                    bar.update(len(taken) * self.params.n)
                 if self.partial:
                     self._fill(r)
                 if steps % self.log_every_steps == 0 or len(handed) >= self.num_prompts:
@@ -297,19 +251,6 @@ class RolloutActor:
         for rid in list(itertools.islice(self._awaiting_first, max(new, 0))):
             trace.ttft.append(now - self._awaiting_first.pop(rid))
 
-    def _take_ready(self, handed: list[_Group], trace: RoundTrace, bar: Any = None) -> None:
-        """Move finished groups (oldest first) to ``handed`` up to ``num_prompts``; the rest wait."""
-        self._ready.sort(key=lambda g: g.group_id)
-        while self._ready and len(handed) < self.num_prompts:
-            group = self._ready.pop(0)
-            if self.partial and self._too_stale(group.output):
-                self._discard(group, trace)
-                continue
-            trace.staleness.append(self._staleness(group.output))
-            handed.append(group)
-            if bar is not None:
-                bar.update(self.params.n)
-
     def _log_step(self, stats: Any, window: list[float], bar: Any) -> None:
         now = time.perf_counter()
         tok_s = (stats.num_generated_tokens - window[1]) / max(now - window[0], 1e-9)
@@ -328,7 +269,7 @@ class RolloutActor:
             )
 
     # ---- results ------------------------------------------------------------------------------------------
-    def _rows(self, r: int, group: _Group) -> list[Trajectory]:
+    def _rows(self, r: int, group: Group) -> list[Trajectory]:
         return group_trajectories(
             r, group.group_id, group.prompt, group.output, self.params.n, self._decode, self.reward_fn,
             self.engine.policy_version,

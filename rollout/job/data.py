@@ -15,16 +15,14 @@ import logging
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from rollout.assets import default_dataset_path
 from rollout.engine.validation import check_lengths
-from rollout.job.config import DataConfig
+from rollout.rl.prompts import encode_prompt, load_rows, use_chat_template
 from rollout.sampling_params import SamplingParams
+from rollout.settings.schema import DataConfig
 
 log = logging.getLogger(__name__)
-LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +60,7 @@ class PromptDataset:
         self.order = list(order) if order is not None else None  # a shuffle; the rows keep their own index
         self.prompt_field = prompt_field
         self.answer_field = answer_field if answer_field in rows.column_names else None
-        has_template = tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None
-        self.template_strings = has_template if apply_chat_template == "auto" else bool(apply_chat_template)
+        self.template_strings = use_chat_template(tokenizer, apply_chat_template)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -120,7 +117,7 @@ class PromptDataset:
                 "the model has no tokenizer, so text prompts cannot be encoded; set model.tokenizer"
             )
         if isinstance(value, str) and not self.template_strings:
-            return value, list(tok(value).input_ids)
+            return encode_prompt(tok, value)
         messages = [{"role": "user", "content": value}] if isinstance(value, str) else value
         if not _is_messages(messages):
             raise ValueError(
@@ -132,8 +129,7 @@ class PromptDataset:
                 f"row {index}: chat-formatted prompts need a chat template, and the tokenizer has none "
                 "(or set data.apply_chat_template=false for plain strings)"
             )
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return text, list(tok(text, add_special_tokens=False).input_ids)
+        return encode_prompt(tok, messages)
 
 
 def load_prompt_dataset(cfg: DataConfig, tokenizer: Any, require_answer: bool = False) -> PromptDataset:
@@ -157,34 +153,6 @@ def load_prompt_dataset(cfg: DataConfig, tokenizer: Any, require_answer: bool = 
         order = list(range(len(rows)))
         random.Random(cfg.seed).shuffle(order)
     return PromptDataset(rows, tokenizer, cfg.prompt_field, cfg.answer_field, cfg.apply_chat_template, order)
-
-
-def load_rows(cfg: DataConfig) -> Any:
-    """A local file by its suffix, a local dataset dir, or a dataset name (hub access: the network's job)."""
-    path = cfg.path if cfg.path is not None else str(default_dataset_path())
-    local = Path(path).expanduser()
-    if local.is_file():
-        if local.stat().st_size == 0:
-            raise ValueError(f"data.path={path!r} is an empty file: it has no rows")
-        fmt = LOCAL_FORMATS.get(local.suffix.lower())
-        if fmt is None:
-            raise ValueError(
-                f"data.path={path!r} has an unsupported suffix; allowed: {sorted(LOCAL_FORMATS)}"
-            )
-        return _load(path, cfg.split, fmt, data_files=str(local))
-    if local.suffix.lower() in LOCAL_FORMATS or path.startswith((".", "/", "~")) and not local.is_dir():
-        raise FileNotFoundError(f"data.path={path!r} does not exist")
-    return _load(path, cfg.split, path, cfg.name)
-
-
-def _load(where: str, split: str, *args: Any, **kwargs: Any) -> Any:
-    import datasets
-
-    try:
-        return datasets.load_dataset(*args, split=split, **kwargs)
-    except Exception as e:  # noqa: BLE001 - datasets raises many types (StopIteration on an empty file, ArrowInvalid)
-        reason = f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} (an empty or unreadable file?)"
-        raise ValueError(f"could not load data.path={where!r} (data.split={split!r}): {reason}") from None
 
 
 def _is_token_ids(value: object) -> bool:

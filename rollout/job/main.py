@@ -51,9 +51,11 @@ def _run_locked(job: JobConfig, writer: Any) -> Path:
     from rollout.job import setup
     from rollout.job.actor import RolloutActor
     from rollout.job.data import load_prompt_dataset
-    from rollout.job.rewards import get_reward_fn
     from rollout.job.snapshots import SnapshotWatcher
-    from rollout.job.wandb_logger import WandbLogger
+    from rollout.rl.prompts import load_tokenizer
+    from rollout.rl.rewards import get_reward_fn
+    from rollout.rl.wandb_logger import WandbLogger
+    from rollout.settings import model as settings_model
 
     reward_fn = get_reward_fn(job.rollout.reward)
     start = setup.start_point(job, writer)
@@ -63,8 +65,8 @@ def _run_locked(job: JobConfig, writer: Any) -> Path:
     params = job.sampling.to_params()
     floor = int((start.state or {}).get("policy_version", 0))  # the version the rounds written reached
     watcher = SnapshotWatcher(job.rollout.weights_from, floor) if job.rollout.weights_from is not None else None
-    model_dir = setup.model_dir(job)
-    tokenizer = setup.load_tokenizer(job.model.tokenizer or model_dir, explicit=job.model.tokenizer is not None)
+    model_dir = settings_model.model_dir(job.model)
+    tokenizer = load_tokenizer(model_dir, job.model.tokenizer)
     dataset = load_prompt_dataset(job.data, tokenizer, require_answer=reward_fn is not None)
     bandwidth = setup.copy_bandwidth(job)  # before the engine takes its memory
     engine = setup.load_engine(job, model_dir, tokenizer)

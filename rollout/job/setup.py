@@ -18,6 +18,7 @@ from rollout.job.config import JobConfig
 from rollout.job.data import PromptLimits
 from rollout.job.seeds import new_job_seed
 from rollout.job.trajectory_writer import TrajectoryWriter
+from rollout.settings import model as settings_model
 
 log = logging.getLogger(__name__)
 JOB_SEED_KEY = "job_seed"  # stored in config.json beside the resolved config
@@ -69,33 +70,10 @@ def config_record(job: JobConfig, job_seed: int) -> dict[str, Any]:
     return {**job.to_dict(), JOB_SEED_KEY: job_seed}
 
 
-def model_dir(job: JobConfig) -> Path:
-    """A local checkpoint dir, a Hugging Face Hub name (fetched once: rollout.job.hub), or the embedded default."""
-    from rollout.assets import materialize_default_model
-    from rollout.job.hub import resolve_model_path
-
-    if job.model.path is not None:
-        return resolve_model_path(job.model.path)
-    return materialize_default_model(job.model.cache_dir, seed=job.model.seed)
-
-
-def load_tokenizer(path: str | Path, explicit: bool) -> Any:
-    """The tokenizer at ``path``; a checkpoint without tokenizer files gives None (token-id prompts only)."""
-    p = Path(path).expanduser()
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not p.is_dir() or not any((p / n).exists() for n in names):
-        if explicit:
-            raise FileNotFoundError(f"model.tokenizer={str(path)!r} is not a directory with tokenizer files")
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(p))
-
-
 def copy_bandwidth(job: JobConfig) -> float | None:
     """The device's copy bandwidth for the floor ratio: an in-process CUDA engine only (None on the CPU and for
     a pool, whose replicas run elsewhere)."""
-    if getattr(job, "pool", None) is not None and job.pool.replicas > 1:
+    if job.pool.replicas > 1:
         return None
     from rollout.job.bandwidth import copy_bandwidth as measure
 
@@ -103,17 +81,10 @@ def copy_bandwidth(job: JobConfig) -> float | None:
 
 
 def load_engine(job: JobConfig, model_path: Path, tokenizer: Any) -> Any:
-    from rollout import Engine
-
-    options = dataclasses.asdict(job.engine)
-    if getattr(job, "pool", None) is not None and job.pool.replicas > 1:  # the server's config has no pool
-        return load_pool(job, model_path, tokenizer, options)
-    try:
-        return Engine.from_pretrained(
-            str(model_path), dtype=job.model.dtype, device=job.model.device, tokenizer=tokenizer, **options
-        )
-    except (ValueError, KeyError, OSError) as e:  # e.g. an architecture the engine lacks, a missing tensor
-        raise ValueError(f"cannot load the model in {str(model_path)!r}: {e}") from None
+    """The in-process engine, or with ``pool.replicas`` > 1 a pool of them."""
+    if job.pool.replicas > 1:
+        return load_pool(job, model_path, tokenizer, dataclasses.asdict(job.engine))
+    return settings_model.load_engine(job.model, job.engine, model_path, tokenizer)
 
 
 def load_pool(job: JobConfig, model_path: Path, tokenizer: Any, options: dict[str, Any]) -> Any:

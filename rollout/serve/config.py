@@ -1,20 +1,20 @@
 """The server's configuration: the main job's model / engine / sampling groups plus ``server``.
 
-Mirrored by rollout/conf/serve.yaml and rollout/conf/server/default.yaml; built from a plain dict so Hydra stays in
-the entry points (rollout/cli). The job's own section parsers are reused, so a key means (and is checked) the same
-everywhere.
+Mirrored by rollout/conf/serve.yaml and rollout/conf/server/default.yaml; built from a plain dict so Hydra
+stays in the entry points (rollout/cli). The sections and the parser are the shared ones
+(``rollout.settings.schema``), so a key means (and is checked) the same everywhere.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.config import EngineConfig
-from rollout.job.checks import check_int as _int
-from rollout.job.checks import fail as _fail
-from rollout.job.config import ModelConfig, SamplingConfig, _check_keys, _engine, _section
+from rollout.settings.checks import check_int as _int
+from rollout.settings.checks import fail as _fail
+from rollout.settings.schema import ModelConfig, SamplingConfig, parse_section
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -54,10 +54,4 @@ class ServeConfig:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> ServeConfig:
-        top = _check_keys("", raw, {f.name for f in fields(cls)})
-        return cls(
-            model=_section(ModelConfig, "model", top.get("model") or {}),
-            engine=_engine(top.get("engine") or {}),
-            sampling=_section(SamplingConfig, "sampling", top.get("sampling") or {}),
-            server=_section(ServerConfig, "server", top.get("server") or {}),
-        )
+        return parse_section(cls, "", raw)

@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout.job.config import SamplingConfig
 from rollout.sampling_params import SamplingParams
 from rollout.serve.errors import APIError
+from rollout.settings.schema import SamplingConfig
 
 
 class _Strict(BaseModel):

@@ -10,8 +10,8 @@ from fastapi import Request
 
 from rollout.engine.async_engine import AsyncEngine
 from rollout.engine.validation import check_lengths, to_token_ids
-from rollout.job.config import SamplingConfig
 from rollout.serve.errors import APIError
+from rollout.settings.schema import SamplingConfig
 from rollout.weights.receiver import WeightReceiver
 
 

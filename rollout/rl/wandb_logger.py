@@ -1,4 +1,4 @@
-"""Weights & Biases logging for the rollout job: offline by default, the run dir under output_dir.
+"""Weights & Biases logging for the rollout job and the PPO script: offline by default, the run dir under output_dir.
 
 wandb is imported only when ``mode != "disabled"``, so tests and users without it pay nothing. Round
 metrics go against a ``round`` axis and step metrics against an ``engine_step`` axis (define_metric), so
@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rollout.job.config import WandbConfig
+from rollout.settings.schema import WandbConfig
 
 
 class WandbLogger:

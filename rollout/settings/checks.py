@@ -1,4 +1,4 @@
-"""Value checks for the job config: each names the key, the value and what is allowed.
+"""Value checks for the config sections: each names the key, the value and what is allowed.
 
 Types are strict and the same everywhere: a bool must be a YAML bool (``true``/``false``), never ``1``,
 ``0`` or a string, so ``data.shuffle=1`` and ``engine.async_mode=maybe`` are refused alike.
