@@ -93,6 +93,32 @@ def test_generate_is_the_same_everywhere(backends):
         _close(_rows(backends[name].generate(prompts, params)), ref)
 
 
+# ---- PPO: rollout, one update (push), rollout again (first: versions start at 0 and never go back) ----------
+def test_ppo_is_the_same_everywhere(backends, model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer_hooks.ppo import PPOConfig, ValueModel
+    from trainer_hooks.ppo_loop import EnginePPO
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    rows = [{"prompt": f"What is {i} + {i + 1}?"} for i in range(3)]
+    reward = lambda completions, **_: [float(len(c)) for c in completions]  # noqa: E731
+    got = {}
+    for name, backend in backends.items():
+        torch.manual_seed(1)
+        policy = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        value = ValueModel.from_pretrained(str(model_dir), dtype=torch.float32)
+        ppo = EnginePPO(backend, policy, value, ref, tok, reward, PPOConfig(),
+                        SamplingParams(n=N, temperature=1.0, max_tokens=5, seed=11, ignore_eos=True))
+        ppo.step(rows)  # rollout, update, push
+        batch = ppo.rollout(rows)
+        got[name] = (batch.seqs.completion_ids.tolist(), batch.behaviour_logp, batch.versions)
+    for name in ("pool", "client"):
+        assert got[name][0] == got["engine"][0] and got[name][2] == got["engine"][2]
+        assert torch.allclose(got[name][1], got["engine"][1], atol=1e-4)
+
+
 # ---- GRPO: TRLRollout, with a weight push per step --------------------------------------------------------
 def _trainer(tok, model, step):
     args = SimpleNamespace(temperature=0.0, top_p=1.0, top_k=0, min_p=None, max_completion_length=6,
@@ -118,8 +144,8 @@ def test_grpo_rollouts_and_pushes_are_the_same_everywhere(backends, model_dir):
             for p in model.parameters():  # a "trained" policy: the same perturbation for every backend
                 p.add_(torch.randn_like(p) * 0.02)
         rollout = TRLRollout(backend)
-        rows = rollout(prompts, _trainer(tok, model, step=3))
-        assert rows["policy_version"] == [3] * len(prompts) and backend.policy_version == 3
+        rows = rollout(prompts, _trainer(tok, model, step=10))
+        assert rows["policy_version"] == [10] * len(prompts) and backend.policy_version == 10
         got[name] = rows
         with torch.no_grad():  # undo, so the next backend starts from the checkpoint's weights again
             torch.manual_seed(0)
@@ -129,32 +155,6 @@ def test_grpo_rollouts_and_pushes_are_the_same_everywhere(backends, model_dir):
         assert got[name]["completion_ids"] == got["engine"]["completion_ids"]
         for a, b in zip(got[name]["logprobs"], got["engine"]["logprobs"]):
             assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4)
-
-
-# ---- PPO: rollout, one update (push), rollout again -------------------------------------------------------
-def test_ppo_is_the_same_everywhere(backends, model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from trainer_hooks.ppo import PPOConfig, ValueModel
-    from trainer_hooks.ppo_loop import EnginePPO
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    rows = [{"prompt": f"What is {i} + {i + 1}?"} for i in range(3)]
-    reward = lambda completions, **_: [float(len(c)) for c in completions]  # noqa: E731
-    got = {}
-    for name, backend in backends.items():
-        torch.manual_seed(1)
-        policy = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        value = ValueModel.from_pretrained(str(model_dir), dtype=torch.float32)
-        ppo = EnginePPO(backend, policy, value, ref, tok, reward, PPOConfig(),
-                        SamplingParams(n=N, temperature=1.0, max_tokens=5, seed=11, ignore_eos=True))
-        ppo.step(rows)  # rollout, update, push
-        batch = ppo.rollout(rows)
-        got[name] = (batch.seqs.completion_ids.tolist(), batch.behaviour_logp, batch.versions)
-    for name in ("pool", "client"):
-        assert got[name][0] == got["engine"][0] and got[name][2] == got["engine"][2]
-        assert torch.allclose(got[name][1], got["engine"][1], atol=1e-4)
 
 
 # ---- where a backend cannot serve an entry point: refused at the door ---------------------------------------
