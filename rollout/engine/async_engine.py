@@ -248,6 +248,13 @@ class AsyncEngine:
             self._incoming.clear()
         for rid in ids:
             self.engine.abort(rid)
+        try:  # collect the aborted outputs (and a step still in flight): the engine is left with no request
+            for _ in range(3):
+                if not self.engine.has_unfinished_requests():
+                    break
+                self.engine.step()
+        except Exception:  # noqa: BLE001 - closing after a fault: the futures still fail below
+            log.exception("collecting aborted requests while closing")
         self._fail(ids, RuntimeError(CLOSED))
         for _, fut in commands:
             _resolve(fut, None, RuntimeError(CLOSED))
