@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from rollout import Engine, SamplingParams  # noqa: E402
-from rollout.job.actor import RolloutActor  # noqa: E402
 from rollout.job.data import PromptDataset  # noqa: E402
+from rollout.job.rounds import RoundDriver  # noqa: E402
 
 
 class Rows:
@@ -52,7 +52,7 @@ class Rows:
         return {"prompt": self.prompts[i]}
 
 
-class LongTailActor(RolloutActor):
+class LongTailActor(RoundDriver):
     """Each group's max_tokens is log-uniform in [lo, new], fixed by its stream position (W2's tail)."""
 
     lo, new = 256, 16384

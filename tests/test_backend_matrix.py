@@ -171,12 +171,12 @@ def test_partial_mode_and_async_grpo_need_the_in_process_engine(backends):
 
 
 def test_the_main_job_drives_only_stepped_backends(backends):
-    from rollout.job.actor import RolloutActor
+    from rollout.job.rounds import RoundDriver
 
     with pytest.raises(TypeError, match=r"the main job \(rollout.mode=drain\) needs an Engine or a RolloutPool"):
-        RolloutActor(backends["client"], None, SamplingParams(), num_prompts=1)
+        RoundDriver(backends["client"], None, SamplingParams(), num_prompts=1)
     with pytest.raises(TypeError, match=r"the main job \(rollout.mode=partial\) needs an in-process Engine"):
-        RolloutActor(backends["pool"], None, SamplingParams(), num_prompts=1, mode="partial")
+        RoundDriver(backends["pool"], None, SamplingParams(), num_prompts=1, mode="partial")
 
 
 # ---- the main job: pool.replicas=2 writes pool.replicas=1's rows ------------------------------------------

@@ -10,9 +10,9 @@ import datasets
 import pytest
 
 from rollout import SamplingParams
-from rollout.job.actor import RolloutActor
 from rollout.job.data import PromptDataset
 from rollout.job.round_metrics import engine_window_metrics, percentile
+from rollout.job.rounds import RoundDriver
 from rollout.rl.metrics import PoolMeter
 from tests.engine_helpers import make_engine
 from tests.job_fakes import FakeEngine, zero_stats
@@ -55,7 +55,7 @@ def test_floor_ratio_and_percentile() -> None:
 @pytest.mark.parametrize("mode", ["drain", "partial"])
 def test_round_reports_time_to_first_token_per_request(tokenizer, mode) -> None:
     engine = FakeEngine()
-    actor = RolloutActor(engine, _dataset(tokenizer, ["a", "bb", "ccc"]), SamplingParams(n=2, max_tokens=4),
+    actor = RoundDriver(engine, _dataset(tokenizer, ["a", "bb", "ccc"]), SamplingParams(n=2, max_tokens=4),
                          num_prompts=3, mode=mode, max_inflight_groups=4 if mode == "partial" else None)
     m = actor.run_round().metrics
     assert m["ttft_mean_s"] > 0 and m["ttft_p90_s"] >= m["ttft_mean_s"] * 0.5
@@ -79,7 +79,7 @@ def test_pool_replica_metrics_per_round(tokenizer) -> None:
     engine = FakeEngine()
     engine.pool = _FakePool()  # what PoolEngine exposes
     engine.pool.generated = [40, 60]
-    actor = RolloutActor(engine, _dataset(tokenizer, ["a", "bb"]), SamplingParams(n=2, max_tokens=4), num_prompts=2)
+    actor = RoundDriver(engine, _dataset(tokenizer, ["a", "bb"]), SamplingParams(n=2, max_tokens=4), num_prompts=2)
     m = actor.run_round().metrics
     assert m["pool/alive"] == 2 and m["pool/replica_1/tokens_per_s"] == 20.0
     assert m["pool/replica_0/round_tokens_per_s"] == pytest.approx(40 / m["round_time_s"])

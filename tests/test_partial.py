@@ -9,8 +9,8 @@ from pathlib import Path
 import datasets
 import pytest
 
-from rollout.job.actor import RolloutActor
 from rollout.job.data import PromptDataset, load_prompt_dataset
+from rollout.job.rounds import RoundDriver
 from rollout.job.seeds import request_seed
 from rollout.job.trajectory_writer import TrajectoryWriter, read_trajectories
 from rollout.rl.metrics import tail_batch_size
@@ -31,9 +31,9 @@ def ids_dataset(rows: int = 40) -> PromptDataset:
     return PromptDataset(datasets.Dataset.from_dict({"prompt": prompts}), None, "prompt", None)
 
 
-def partial_actor(engine, **kw) -> RolloutActor:
+def partial_actor(engine, **kw) -> RoundDriver:
     kw.setdefault("max_inflight_groups", 5)
-    return RolloutActor(engine, ids_dataset(), SamplingParams(n=N, max_tokens=20), 3, mode="partial", seed=1, **kw)
+    return RoundDriver(engine, ids_dataset(), SamplingParams(n=N, max_tokens=20), 3, mode="partial", seed=1, **kw)
 
 
 def test_partial_rounds_hand_out_full_groups_and_carry_the_rest() -> None:
@@ -160,14 +160,14 @@ def test_tail_batch_size_is_the_last_tenth_of_the_round() -> None:
 
 def test_drain_is_unchanged_by_partial_mode_bookkeeping() -> None:
     engine = FakeEngine(length=long_tail)
-    actor = RolloutActor(engine, ids_dataset(), SamplingParams(n=N, max_tokens=20), 3, seed=1)
+    actor = RoundDriver(engine, ids_dataset(), SamplingParams(n=N, max_tokens=20), 3, seed=1)
     res = [actor.run_round() for _ in range(3)]
     assert [t.group_id for r in res for t in r.trajectories] == [g for g in range(9) for _ in range(N)]
     assert not engine.requests and actor.state() == {"next_group": 9, "inflight_groups": [], "admitted": {},
                                               "policy_version": 0}
     assert all(r.metrics["carried_over_groups"] == 0 for r in res)
     with pytest.raises(ValueError, match="mode must be one of"):
-        RolloutActor(engine, ids_dataset(), SamplingParams(), 1, mode="eager")
+        RoundDriver(engine, ids_dataset(), SamplingParams(), 1, mode="eager")
 
 
 # ---- the real engine ----------------------------------------------------------------------------------
@@ -178,7 +178,7 @@ def test_drain_output_equals_generate_with_the_same_seeds(default_model: Path) -
     engine = Engine.from_pretrained(str(default_model), dtype="float32", device="cpu", max_num_seqs=8)
     ds = load_prompt_dataset(DataConfig(), engine.tokenizer)
     params = SamplingParams(n=2, max_tokens=5)
-    res = RolloutActor(engine, ds, params, 3, seed=11, start_round=1).run_round()
+    res = RoundDriver(engine, ds, params, 3, seed=11, start_round=1).run_round()
     prompts = [list(ds.get(g).token_ids) for g in (3, 4, 5)]
     outs = engine.generate(prompts, [dataclasses.replace(params, seed=request_seed(11, 1, g)) for g in (3, 4, 5)])
     want = [(c.token_ids, c.logprobs) for o in outs for c in o.outputs]
@@ -196,7 +196,7 @@ def test_real_engine_versions_switch_at_the_boundary(default_model: Path, tokeni
     ds = load_prompt_dataset(DataConfig(), tokenizer)
     stops = list(range(10, len(tokenizer), 6))  # ~1 in 6 tokens stops a sample: lengths vary a lot
     params = SamplingParams(n=2, max_tokens=24, stop_token_ids=stops)
-    actor = RolloutActor(engine, ds, params, 2, seed=3, mode="partial", max_inflight_groups=4)
+    actor = RoundDriver(engine, ds, params, 2, seed=3, mode="partial", max_inflight_groups=4)
     actor.run_round()
     landed = {}
     for rid, group_id in actor.in_flight().items():

@@ -211,12 +211,12 @@ def test_the_pool_steps_for_the_job_as_an_engine_does(pool) -> None:
 def test_job_actor_over_the_pool_logs_per_replica_metrics(pool) -> None:
     from types import SimpleNamespace
 
-    from rollout.job.actor import RolloutActor
     from rollout.job.data import Prompt
+    from rollout.job.rounds import RoundDriver
 
     prompts = random_prompts(4, 256, hi=12, seed=12)
     dataset = SimpleNamespace(tokenizer=None, get=lambda g: Prompt(g % 4, "", tuple(prompts[g % 4]), None))
-    actor = RolloutActor(pool, dataset, SamplingParams(n=2, max_tokens=5, ignore_eos=True), num_prompts=4)
+    actor = RoundDriver(pool, dataset, SamplingParams(n=2, max_tokens=5, ignore_eos=True), num_prompts=4)
     m = actor.run_round().metrics
     assert m["pool/alive"] == 2 and m["num_samples"] == 8
     for i in (0, 1):

@@ -39,9 +39,9 @@ def run_composed(output_dir: Path, cache_dir: Path, *overrides: str, wandb: str 
 
 def run_crashing_in_round(crash_round: int, output_dir: Path, cache_dir: Path, *overrides: str) -> None:
     """A composed run whose actor dies at the start of round ``crash_round``, as a killed job would."""
-    from rollout.job.actor import RolloutActor
+    from rollout.job.rounds import RoundDriver
 
-    run_round = RolloutActor.run_round
+    run_round = RoundDriver.run_round
 
     def crashing(self):
         if self.round == crash_round:
@@ -49,7 +49,7 @@ def run_crashing_in_round(crash_round: int, output_dir: Path, cache_dir: Path, *
         return run_round(self)
 
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(RolloutActor, "run_round", crashing)
+        m.setattr(RoundDriver, "run_round", crashing)
         with pytest.raises(RuntimeError, match="simulated crash"):
             run_composed(output_dir, cache_dir, *overrides)
 
@@ -123,7 +123,7 @@ def test_resume_after_crash_has_no_duplicates_or_gaps(cache_dir: Path, tmp_path:
     ],
 )
 def test_bad_inputs_fail_before_generation(cache_dir, tmp_path, monkeypatch, override, error, needle) -> None:
-    from rollout.job.actor import RolloutActor
+    from rollout.job.rounds import RoundDriver
 
     (tmp_path / "file").write_text("x")
     gpt2 = tmp_path / "gpt2"  # a checkpoint of an architecture the engine does not implement
@@ -132,7 +132,7 @@ def test_bad_inputs_fail_before_generation(cache_dir, tmp_path, monkeypatch, ove
         json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
     )
     save_file({"wte.weight": torch.zeros(2, 2)}, str(gpt2 / "model.safetensors"))
-    monkeypatch.setattr(RolloutActor, "run_round", lambda self: pytest.fail("generation started"))
+    monkeypatch.setattr(RoundDriver, "run_round", lambda self: pytest.fail("generation started"))
     with pytest.raises(error, match=needle):
         run_composed(tmp_path / "o", cache_dir, override.format(tmp=tmp_path))
 
@@ -212,7 +212,7 @@ def _jsonl(path: Path, prompts: list) -> Path:
 
 def test_refused_run_leaves_output_dir_reusable(cache_dir: Path, tmp_path: Path, monkeypatch) -> None:
     """Each refusal comes before config.json is written, so the corrected rerun simply starts."""
-    from rollout.job.actor import RolloutActor
+    from rollout.job.rounds import RoundDriver
 
     late_long = _jsonl(tmp_path / "long.jsonl", [[5, 6, 7]] * 20 + [[7] * 2404] + [[5, 6]] * 3)
     late_null = _jsonl(tmp_path / "null.jsonl", [[5, 6, 7]] * 20 + [None] + [[5, 6]] * 3)
@@ -225,7 +225,7 @@ def test_refused_run_leaves_output_dir_reusable(cache_dir: Path, tmp_path: Path,
         (f"data.path={late_null}", r"null.jsonl', row 20: field 'prompt' is null"),
     ]
     with monkeypatch.context() as m:
-        m.setattr(RolloutActor, "run_round", lambda self: pytest.fail("generation started"))
+        m.setattr(RoundDriver, "run_round", lambda self: pytest.fail("generation started"))
         for override, needle in refusals:
             with pytest.raises(ValueError, match=needle):
                 run_composed(out, cache_dir, "rollout.reward=null", override)

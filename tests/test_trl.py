@@ -11,7 +11,7 @@ from datasets import Dataset
 from transformers import AutoTokenizer, TrainerCallback
 
 from rollout.assets import assets_dir
-from rollout.job.actor import RolloutActor
+from rollout.job.rounds import RoundDriver
 from rollout.sampling_params import SamplingParams
 from tests.engine_helpers import hf_logprobs, make_engine
 from tests.tiny_models import make_tiny_hf_model
@@ -201,7 +201,7 @@ def test_rewards_in_trl_convention_and_actor_target(tok):
     assert digit_fraction("12 ab") == 0.5 and digit_fraction("") == 0.0
     engine = make_engine(_tiny(tok), block_size=4)
     assert TRLRollout(engine).engine is engine
-    actor = RolloutActor(engine, None, SamplingParams(), num_prompts=1)
+    actor = RoundDriver(engine, None, SamplingParams(), num_prompts=1)
     for not_a_backend in (object(), actor):  # the job's round driver is not a backend: pass its engine
         with pytest.raises(TypeError, match="TRLRollout needs an Engine, a RolloutPool or a RolloutClient"):
             TRLRollout(not_a_backend)

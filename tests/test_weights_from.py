@@ -45,13 +45,13 @@ def test_three_rounds_carry_the_version_of_the_weights_that_made_them(
     cache_dir: Path, tmp_path: Path, monkeypatch  # noqa: F811
 ) -> None:
     from rollout.assets import materialize_default_model
-    from rollout.job.actor import RolloutActor
+    from rollout.job.rounds import RoundDriver
 
     base = materialize_default_model(cache_dir)
     snaps = tmp_path / "snapshots"
     snaps.mkdir()
     models = {5: perturbed(base, 1), 9: perturbed(base, 2)}
-    run_round = RolloutActor.run_round
+    run_round = RoundDriver.run_round
 
     def trainer_between_rounds(self):
         result = run_round(self)
@@ -62,7 +62,7 @@ def test_three_rounds_carry_the_version_of_the_weights_that_made_them(
             write_snapshot(models[9], snaps, 9)
         return result
 
-    monkeypatch.setattr(RolloutActor, "run_round", trainer_between_rounds)
+    monkeypatch.setattr(RoundDriver, "run_round", trainer_between_rounds)
     out = run_composed(tmp_path / "o", cache_dir, f"rollout.weights_from={snaps}", "rollout.rounds=3",
                        "data.num_prompts=2", "sampling.n=2")
     table = rows(out)
@@ -115,7 +115,7 @@ def test_watcher_picks_the_newest_complete_snapshot_once(tmp_path: Path) -> None
 def test_refused_snapshot_names_itself_and_keeps_the_old_weights(tmp_path: Path) -> None:
     from rollout import Engine
     from rollout.assets import materialize_default_model
-    from rollout.job.actor import RolloutActor
+    from rollout.job.rounds import RoundDriver
 
     base = materialize_default_model(tmp_path / "cache")
     engine = Engine.from_pretrained(str(base), dtype="float32", device="cpu")
@@ -124,7 +124,7 @@ def test_refused_snapshot_names_itself_and_keeps_the_old_weights(tmp_path: Path)
     with torch.no_grad():
         model.model.norm.weight = torch.nn.Parameter(torch.ones(3))  # the wrong shape
     write_snapshot(model, tmp_path, 4)
-    actor = RolloutActor(engine, None, engine_params(), 1)
+    actor = RoundDriver(engine, None, engine_params(), 1)
     with pytest.raises(ValueError, match=r"snapshot '.*step_4' was refused: .*norm"):
         SnapshotWatcher(tmp_path).load_newest(actor)
     assert engine.policy_version == 0
@@ -158,7 +158,7 @@ def test_resume_refuses_snapshots_older_than_the_rounds_written(
     cache_dir: Path, tmp_path: Path, monkeypatch  # noqa: F811
 ) -> None:
     from rollout.assets import materialize_default_model
-    from rollout.job.actor import RolloutActor
+    from rollout.job.rounds import RoundDriver
 
     base = materialize_default_model(cache_dir)
     snaps = tmp_path / "snapshots"
@@ -168,7 +168,7 @@ def test_resume_refuses_snapshots_older_than_the_rounds_written(
     out = run_composed(tmp_path / "o", cache_dir, *args, "rollout.rounds=1")
     assert {t["policy_version"] for t in rows(out)} == {5}
     os.rename(snaps / "step_5", snaps / "step_2")  # the trainer's directory now holds an older step only
-    monkeypatch.setattr(RolloutActor, "run_round", lambda self: pytest.fail("generation started"))
+    monkeypatch.setattr(RoundDriver, "run_round", lambda self: pytest.fail("generation started"))
     with pytest.raises(ValueError, match="reach policy_version 5, but the newest complete snapshot is step_2"):
         run_composed(out, cache_dir, *args, "rollout.rounds=2", "rollout.resume=true")
 

@@ -49,8 +49,8 @@ def run_job(job: JobConfig) -> Path:
 
 def _run_locked(job: JobConfig, writer: Any) -> Path:
     from rollout.job import setup
-    from rollout.job.actor import RolloutActor
     from rollout.job.data import load_prompt_dataset
+    from rollout.job.rounds import RoundDriver
     from rollout.job.snapshots import SnapshotWatcher
     from rollout.rl.prompts import load_tokenizer
     from rollout.rl.rewards import get_reward_fn
@@ -74,7 +74,7 @@ def _run_locked(job: JobConfig, writer: Any) -> Path:
     new_wandb_dir = not (writer.dir / "wandb").exists()
     logger = WandbLogger(job.logger.wandb, writer.dir, job.to_dict())  # may refuse (online, no account)
     run_dir = logger.run_dir
-    actor = RolloutActor(
+    driver = RoundDriver(
         engine,
         dataset,
         params,
@@ -98,11 +98,11 @@ def _run_locked(job: JobConfig, writer: Any) -> Path:
     try:
         for r in range(start.round, job.rollout.rounds):
             if watcher is not None:
-                watcher.load_newest(actor)  # between rounds: the round's tokens carry its step
-            result = actor.run_round()
+                watcher.load_newest(driver)  # between rounds: the round's tokens carry its step
+            result = driver.run_round()
             if r == start.round:  # only now: a run refused or failing before its first round leaves no trace
                 writer.save_config(setup.config_record(job, start.job_seed))
-            writer.write_round(result.round, result.trajectories, result.metrics, actor.state())
+            writer.write_round(result.round, result.trajectories, result.metrics, driver.state())
             wrote = True
             lengths = [len(t.completion_ids) for t in result.trajectories]
             logger.log_round(result.metrics, {"completion_len": lengths, "staleness": result.staleness})

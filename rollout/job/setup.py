@@ -28,7 +28,7 @@ JOB_SEED_KEY = "job_seed"  # stored in config.json beside the resolved config
 class Start:
     round: int  # the next round to run
     job_seed: int  # every request's seed derives from it (seeds.request_seed)
-    state: dict[str, Any] | None  # the actor's state after the last complete round (None: fresh)
+    state: dict[str, Any] | None  # the round driver's state after the last complete round (None: fresh)
 
 
 def start_point(job: JobConfig, writer: TrajectoryWriter) -> Start:

@@ -60,8 +60,8 @@ class SnapshotWatcher:
             )
         return best
 
-    def load_newest(self, actor: Any) -> int | None:
-        """Push the newest unseen snapshot into the actor's engine; returns its step (None: nothing new).
+    def load_newest(self, driver: Any) -> int | None:
+        """Push the newest unseen snapshot into the driver's backend; returns its step (None: nothing new).
 
         A snapshot the engine refuses (a missing or misshapen tensor, a non-finite value) stops the job
         with a ValueError naming it, the old weights still in place: silently going on with stale weights
@@ -72,7 +72,7 @@ class SnapshotWatcher:
             return None
         step, path = found
         try:  # the server's disk reader: streamed, one tensor at a time on each pass, never a list
-            actor.update_weights(CheckpointWeights(path), version=step)
+            driver.update_weights(CheckpointWeights(path), version=step)
         except (ValueError, TypeError, KeyError, OSError) as e:
             raise ValueError(f"rollout.weights_from: snapshot {str(path)!r} was refused: {e}") from None
         self.loaded_step = step

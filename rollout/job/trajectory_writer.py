@@ -7,7 +7,7 @@ and a reader never sees half a file. The directory reads as one table:
 ``datasets.load_dataset("parquet", data_files=str(out / "trajectories" / "*.parquet"))``
 (both skip the hidden temporaries). The round files are the truth about which rounds are complete: a
 resume keeps exactly their rounds and the metrics lines that belong to them. A round file's metadata
-also carries the actor's state at the round's end (which prompt comes next, which groups were still
+also carries the round driver's state at the round's end (which prompt comes next, which groups were still
 running and the round that admitted each), so a resume regenerates exactly the groups that were in
 flight, with their own seeds, and the round's metrics line, so writing a round and its metrics is one
 atomic step: a resume rebuilds metrics.jsonl from the round files. Pages carry CRC checksums, and a
@@ -70,7 +70,7 @@ class TrajectoryWriter:
         self.rounds_dir = self.dir / TRAJECTORIES
         self.schema = trajectory_schema(with_reward)
         self.num_rows = 0
-        self.state: dict[str, Any] | None = None  # the last complete round's actor state (after resume)
+        self.state: dict[str, Any] | None = None  # the last complete round's round driver's state (after resume)
 
     @property
     def has_previous_run(self) -> bool:
@@ -145,7 +145,7 @@ class TrajectoryWriter:
         state: Mapping[str, Any] | None = None,
     ) -> Path:
         """Write round ``r`` as its own file (it decides what a resume keeps, and carries the metrics line
-        and the actor's state), then append the metrics line (a resume rebuilds it from the file)."""
+        and the round driver's state), then append the metrics line (a resume rebuilds it from the file)."""
         table = self._to_table(trajectories)
         meta = {METRICS_KEY: _line(metrics).encode()}
         if state is not None:

@@ -1,4 +1,4 @@
-"""RolloutActor, prompt datasets, the trajectory writer: against a scripted fake engine and the real one."""
+"""RoundDriver, prompt datasets, the trajectory writer: against a scripted fake engine and the real one."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import datasets
 import pytest
 
 from rollout.assets import assets_dir, check_checkpoint_dir, materialize_default_model
-from rollout.job.actor import RolloutActor
 from rollout.job.data import PromptDataset, load_prompt_dataset
 from rollout.job.output_dir import prepare_output_dir
+from rollout.job.rounds import RoundDriver
 from rollout.job.trajectory_writer import TrajectoryWriter, read_trajectories
 from rollout.rl.rewards import exact_match
 from rollout.sampling_params import SamplingParams
@@ -27,7 +27,7 @@ def rows_dataset(tokenizer, prompts, answers=None, **kw) -> PromptDataset:
 def test_round_groups_ordering_and_wraparound(tokenizer) -> None:
     engine = FakeEngine()
     ds = rows_dataset(tokenizer, ["a", "bb", "ccc"], ["1", "2", "3"])
-    actor = RolloutActor(engine, ds, SamplingParams(n=3, max_tokens=4), num_prompts=2)
+    actor = RoundDriver(engine, ds, SamplingParams(n=3, max_tokens=4), num_prompts=2)
     r0, r1 = actor.run_round(), actor.run_round()
     assert len(engine.added) == 4 and all(p.n == 3 for _, _, p in engine.added)  # one request per group
     assert [t.group_id for t in r0.trajectories] == [0, 0, 0, 1, 1, 1]
@@ -54,7 +54,7 @@ def test_rewards_and_metrics(tokenizer) -> None:
     ds = rows_dataset(tokenizer, ["What is 1 + 2?"] * 2, ["0", "999"])
     n_tokens = len(ds.get(0).token_ids)
     ds.rows = datasets.Dataset.from_dict({"prompt": ["What is 1 + 2?"] * 2, "answer": [str(n_tokens), "999"]})
-    actor = RolloutActor(
+    actor = RoundDriver(
         FakeEngine(), ds, SamplingParams(n=2, max_tokens=8), num_prompts=2, reward_fn=exact_match
     )
     res = actor.run_round()
@@ -64,7 +64,7 @@ def test_rewards_and_metrics(tokenizer) -> None:
 
 def test_step_callback_and_progress(tokenizer, capsys) -> None:
     seen = []
-    actor = RolloutActor(
+    actor = RoundDriver(
         FakeEngine(),
         rows_dataset(tokenizer, ["x" * 9]),
         SamplingParams(n=2, max_tokens=5),
@@ -83,7 +83,7 @@ def test_step_callback_and_progress(tokenizer, capsys) -> None:
 
 def test_update_weights_between_rounds(tokenizer) -> None:
     engine = FakeEngine()
-    actor = RolloutActor(engine, rows_dataset(tokenizer, ["p"]), SamplingParams(n=1), 1)
+    actor = RoundDriver(engine, rows_dataset(tokenizer, ["p"]), SamplingParams(n=1), 1)
     assert {t.policy_version for t in actor.run_round().trajectories} == {0}
     assert actor.update_weights({}, version=5) == 5
     res = actor.run_round()
@@ -95,7 +95,7 @@ def test_update_weights_between_rounds(tokenizer) -> None:
 
 def test_refused_request_withdraws_the_round(tokenizer) -> None:
     engine = FakeEngine(refuse_after=1)
-    actor = RolloutActor(engine, rows_dataset(tokenizer, ["p", "q"]), SamplingParams(n=1), 2)
+    actor = RoundDriver(engine, rows_dataset(tokenizer, ["p", "q"]), SamplingParams(n=1), 2)
     with pytest.raises(ValueError, match="too long"):
         actor.run_round()
     assert not engine.has_unfinished_requests() and actor.round == 0
@@ -155,7 +155,7 @@ def test_embedded_dataset_is_shuffled_deterministically(tokenizer) -> None:
 
 # ---- trajectory writer --------------------------------------------------------------------------------
 def test_writer_rounds_resume_and_torn_metrics(tmp_path: Path, tokenizer) -> None:
-    actor = RolloutActor(
+    actor = RoundDriver(
         FakeEngine(),
         rows_dataset(tokenizer, ["a", "b"], ["1", "2"]),
         SamplingParams(n=2),
@@ -219,7 +219,7 @@ def test_real_engine_round_and_weight_swap(default_model: Path, tokenizer) -> No
 
     engine = Engine.from_pretrained(str(default_model), dtype="float32", device="cpu", max_num_seqs=16)
     ds = load_prompt_dataset(DataConfig(), engine.tokenizer, require_answer=True)
-    actor = RolloutActor(engine, ds, SamplingParams(n=3, max_tokens=6, seed=0), 4, reward_fn=exact_match)
+    actor = RoundDriver(engine, ds, SamplingParams(n=3, max_tokens=6, seed=0), 4, reward_fn=exact_match)
     res = actor.run_round()
     assert len(res.trajectories) == 12 and {t.reward for t in res.trajectories} <= {0.0, 1.0}
     for t in res.trajectories:

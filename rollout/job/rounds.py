@@ -1,7 +1,7 @@
-"""RolloutActor: a prompt dataset -> rounds of trajectories, with weight hot-swap between rounds.
+"""RoundDriver: a prompt dataset -> rounds of trajectories, with weight hot-swap between rounds.
 
 Each prompt is one request with ``n`` samples (a group), so the group shares its prompt's KV blocks.
-The actor drives the engine step by step (not ``generate``) so that progress and per-step metrics are
+The driver steps the backend one step at a time (not ``generate``) so that progress and per-step metrics are
 visible while a round runs.
 
 Two modes:
@@ -47,7 +47,7 @@ class RoundResult:
     staleness: list[int] = field(default_factory=list)  # per group handed out (for a histogram)
 
 
-class RolloutActor:
+class RoundDriver:
     def __init__(
         self,
         engine: Any,
