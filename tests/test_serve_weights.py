@@ -185,7 +185,7 @@ def test_trainer_killed_mid_push_leaves_the_old_weights_serving(env):
 
 def test_update_from_disk(env):
     missing = env.tmp / "nowhere"
-    with pytest.raises(RequestRejected, match="is not an existing directory"):
+    with pytest.raises(RequestRejected, match="is not a readable checkpoint directory"):
         env.client.update_weights_from_disk(str(missing))
     (env.tmp / "empty").mkdir()
     with pytest.raises(RequestRejected, match="no \\*.safetensors"):

@@ -17,6 +17,7 @@ import atexit
 import dataclasses
 import http.client
 import json
+import os
 import socket
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,13 +51,16 @@ class RequestRejected(ServerError, ValueError):
 
 class RolloutClient:
     def __init__(self, base_url: str = "http://127.0.0.1:8000", timeout_s: float = 600.0,
-                 max_concurrency: int = 64) -> None:
+                 max_concurrency: int = 64, api_key: str | None = None) -> None:
+        """``api_key``: the server's ``server.api_key``, sent as a Bearer token (default ``$ROLLOUT_API_KEY``)."""
         url = urlparse(base_url if "://" in base_url else f"http://{base_url}")
         if url.scheme != "http" or not url.hostname:
             raise ValueError(f"base_url must look like http://host:port, got {base_url!r}")
         self.base_url = f"http://{url.hostname}:{url.port or 80}"
         self.host, self.port, self.timeout_s = url.hostname, url.port or 80, timeout_s
         self.max_concurrency = max_concurrency
+        key = api_key or os.environ.get("ROLLOUT_API_KEY")
+        self._auth = {"Authorization": f"Bearer {key}"} if key else {}
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="rollout-client")
         self.sender = WeightSender(_Server(self), timeout_s)
@@ -73,7 +77,7 @@ class RolloutClient:
     def request(self, method: str, path: str, body: Any = None) -> Any:
         """One call; the parsed JSON answer, or ServerError / RequestRejected with the server's message."""
         data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
+        headers = {"Content-Type": "application/json", **self._auth} if data is not None else dict(self._auth)
         for attempt in (0, 1):
             conn = self._conn()
             try:

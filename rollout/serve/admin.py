@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
 
+from rollout.serve.auth import weight_source
 from rollout.serve.errors import APIError, describe_validation
 from rollout.serve.protocol import InitWeightTransfer, UpdateWeights, UpdateWeightsFromDisk
 from rollout.serve.state import ServerState, state
@@ -23,7 +23,8 @@ from rollout.weights.group import PushRejected, TransferError
 from rollout.weights.layout import make_specs
 
 log = logging.getLogger("rollout.serve")
-router = APIRouter()
+router = APIRouter()  # what changes the server: weights, pause, sleep, reset (none of it with server.admin=false)
+status = APIRouter()  # read-only: is_paused, is_sleeping, get_world_size, policy_version
 
 
 async def _body(request: Request, model: type, wrapper: str) -> Any:
@@ -54,17 +55,26 @@ async def _packed_body(request: Request, model: type, wrapper: str) -> Any:
 @router.post("/init_weight_transfer")
 @router.post("/init_weight_transfer_engine")
 async def init_weight_transfer(request: Request) -> dict[str, Any]:
-    """Join the trainer's group (the trainer, rank 0, is joining it concurrently)."""
+    """Join the trainer's group (the trainer, rank 0, is joining it concurrently).
+
+    Only at an address ``server.weight_sources`` allows, for at most ``server.max_weight_timeout_s``; a
+    failure names the address, never what a socket there sent back.
+    """
     st = state(request)
     info: InitWeightTransfer = await _packed_body(request, InitWeightTransfer, "init_info")
+    client = request.client.host if request.client else None
+    address = await asyncio.to_thread(weight_source, info.master_address, client, st.settings.weight_sources)
+    timeout_s = min(info.timeout_s, st.settings.max_weight_timeout_s)
     try:
-        group = await asyncio.to_thread(st.receiver.join, info.master_address, info.master_port, info.world_size,
-                                        info.rank_offset, info.backend, info.timeout_s)
-    except ValueError as e:
+        group = await asyncio.to_thread(st.receiver.join, address, info.master_port, info.world_size,
+                                        info.rank_offset, info.backend, timeout_s)
+    except ValueError as e:  # our own checks: backend, rank
         raise APIError(400, str(e)) from None
     except Exception as e:  # noqa: BLE001 - the store or the group could not be reached
-        raise APIError(409 if "in progress" in str(e) else 400,
-                       f"cannot join the weight-transfer group at {info.master_address}:{info.master_port}: {e}"
+        if isinstance(e, RuntimeError) and "in progress" in str(e):
+            raise APIError(409, str(e)) from None
+        raise APIError(400, f"cannot join the weight-transfer group at {info.master_address}:{info.master_port} "
+                            f"within {timeout_s:g} s ({type(e).__name__}): is the trainer's group listening there?"
                        ) from None
     return {"message": "weight transfer initialized", "backend": group.backend, "rank": group.rank}
 
@@ -106,20 +116,21 @@ async def update_weights_from_disk(request: Request) -> dict[str, Any]:
     """Load a Hugging Face safetensors directory (``step_<N>`` becomes version N unless ``version`` is given)."""
     st = state(request)
     upd: UpdateWeightsFromDisk = await _body(request, UpdateWeightsFromDisk, "update_info")
-    path = Path(upd.path).expanduser()
-    if not path.is_dir():
-        raise APIError(400, f"path {upd.path!r} is not an existing directory; expected a Hugging Face checkpoint "
-                            "directory (*.safetensors)", param="path")
     try:
-        weights = CheckpointWeights(path)  # streamed: one tensor at a time, each pass
-    except (FileNotFoundError, ValueError) as e:
+        weights = await asyncio.to_thread(CheckpointWeights, upd.path, st.settings.weights_root)
+    except PermissionError as e:
+        raise APIError(403, str(e), param="path") from None
+    except (OSError, ValueError) as e:
         raise APIError(400, str(e), param="path") from None
-    version = upd.version if upd.version is not None else step_of(path)
+    version = upd.version if upd.version is not None else step_of(weights.path)
     t0 = time.perf_counter()
     try:
         new = await st.run(lambda: st.engine.update_weights(weights, version, upd.recompute_running))
     except (TypeError, ValueError, KeyError) as e:
         raise _rejected(e) from None
+    except Exception as e:  # noqa: BLE001 - unreadable bytes past the headers (safetensors' own error type)
+        raise APIError(400, f"weight update rejected, nothing changed: cannot read the checkpoint ({e})",
+                       param="path") from None
     return _done(st, new, t0)
 
 
@@ -160,7 +171,7 @@ async def resume(request: Request) -> dict[str, Any]:
     return {"paused": False}
 
 
-@router.get("/is_paused")
+@status.get("/is_paused")
 async def is_paused(request: Request) -> dict[str, bool]:
     return {"is_paused": state(request).loop.paused}
 
@@ -192,16 +203,16 @@ async def wake_up(request: Request) -> dict[str, bool]:
     return {"sleeping": False}
 
 
-@router.get("/is_sleeping")
+@status.get("/is_sleeping")
 async def is_sleeping(request: Request) -> dict[str, bool]:
     return {"is_sleeping": bool(state(request).engine.is_sleeping)}
 
 
-@router.get("/get_world_size")
+@status.get("/get_world_size")
 async def get_world_size() -> dict[str, int]:
     return {"world_size": 1}
 
 
-@router.get("/policy_version")
+@status.get("/policy_version")
 async def policy_version(request: Request) -> dict[str, int]:
     return {"policy_version": int(state(request).engine.policy_version)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import socket
@@ -13,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from rollout.engine.async_engine import AsyncEngine
-from rollout.serve import admin, errors, generate, metrics
+from rollout.serve import admin, auth, errors, generate, metrics, templates
 from rollout.serve.config import ServeConfig
 from rollout.serve.state import ServerState, state
 
@@ -22,11 +23,13 @@ def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str
     """The app; its lifespan starts the engine loop thread and stops it on shutdown."""
     loop = AsyncEngine(engine)
     st = ServerState(engine, loop, model_name, config.sampling, config.server.max_n or engine.config.max_num_seqs,
-                     model_path)
+                     model_path, settings=config.server)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         loop.start()
+        if config.server.allow_request_chat_template:
+            await asyncio.to_thread(templates.warm)  # the fork server imports jinja once, now
         try:
             yield
         finally:
@@ -36,9 +39,13 @@ def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str
     app = FastAPI(title="rollout", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = st
     app.add_middleware(errors.BodyLimit, max_bytes=config.server.max_body_mib << 20)
+    if key := auth.api_key(config.server.api_key):
+        app.add_middleware(auth.BearerAuth, key=key)  # added last: runs first, before the body is read
     errors.install(app)
     app.include_router(generate.router)
-    app.include_router(admin.router)
+    app.include_router(admin.status)
+    if config.server.admin:
+        app.include_router(admin.router)
 
     @app.get("/health")
     async def health() -> Any:
@@ -72,6 +79,8 @@ def serve(engine: Any, config: ServeConfig, model_name: str, model_path: str | N
     sock.bind((config.server.host, config.server.port))
     sock.listen(2048)  # connections queue from now on, so the address printed is usable at once
     host, port = sock.getsockname()[:2]
+    if warning := auth.exposure_warning(config.server.host, auth.api_key(config.server.api_key)):
+        print(warning, flush=True)
     print(f"rollout server: serving {model_name} on http://{host}:{port} (engine on {engine.device})", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=config.server.log_level, timeout_keep_alive=30,
                                            lifespan="on"))

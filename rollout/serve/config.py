@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.config import EngineConfig
+from rollout.serve.auth import check_sources
+from rollout.settings.checks import check_bool, check_num, check_opt_str
 from rollout.settings.checks import check_int as _int
 from rollout.settings.checks import fail as _fail
 from rollout.settings.schema import ModelConfig, SamplingConfig, parse_section
@@ -28,6 +30,13 @@ class ServerConfig:
     max_body_mib: int = 64  # larger request bodies get 413
     torch_threads: int | None = 1  # as rollout.torch_threads: 1 is fastest for tiny CPU models
     log_level: str = "warning"
+    # security (README "Security"): who may call, what the admin surface reaches
+    api_key: str | None = None  # Bearer key for every route but GET /health; null = $ROLLOUT_API_KEY, else none
+    admin: bool = True  # false: the weight, pause, sleep and reset routes do not exist (404)
+    weight_sources: tuple[str, ...] = ("loopback", "client")  # master_address allowed: IPs, CIDRs, these two words
+    max_weight_timeout_s: float = 120.0  # cap on a weight-transfer request's timeout_s (how long a join may block)
+    weights_root: str | None = None  # /update_weights_from_disk reads only under this directory; null = anywhere
+    allow_request_chat_template: bool = False  # a request's own chat_template (rendered sandboxed, time-limited)
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -43,6 +52,12 @@ class ServerConfig:
             _int("server.torch_threads", self.torch_threads, lo=1, allowed="an int >= 1 or null")
         if self.log_level not in LOG_LEVELS:
             _fail("server.log_level", self.log_level, f"one of {list(LOG_LEVELS)}")
+        check_opt_str("server.api_key", self.api_key)
+        check_bool("server.admin", self.admin)
+        check_bool("server.allow_request_chat_template", self.allow_request_chat_template)
+        check_num("server.max_weight_timeout_s", self.max_weight_timeout_s, lo=1.0)
+        check_opt_str("server.weights_root", self.weights_root)
+        check_sources(self.weight_sources)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error", 413: "request_too_large",
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+         409: "conflict_error", 413: "request_too_large",
          422: "invalid_request_error", 503: "service_unavailable"}
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from rollout.serve import templates
 from rollout.serve.errors import APIError
 from rollout.serve.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
 from rollout.serve.responses import Render, chat_body, completion_body
@@ -38,7 +39,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     st = state(request)
     st.check_model(req.model)
     params = to_sampling_params(req, st.defaults, st.max_n, max_tokens=req.max_completion_tokens)
-    ids = st.prompt_ids([_chat_prompt(st, req)], params)
+    ids = st.prompt_ids([await _chat_prompt(st, req)], params)
     render = Render(st.engine.tokenizer, req.return_tokens_as_token_ids)
     if req.stream:
         return _stream(st, req, ids, params, render, chat=True)
@@ -46,11 +47,13 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     return JSONResponse(chat_body(req, outs[0], st.model_name, render))
 
 
-def _chat_prompt(st: ServerState, req: ChatCompletionRequest) -> list[int]:
+async def _chat_prompt(st: ServerState, req: ChatCompletionRequest) -> list[int]:
     tok = st.engine.tokenizer
     if tok is None:
         raise APIError(400, "chat needs a tokenizer with a chat template; this model has none (use /v1/completions "
                             "with token ids)")
+    if req.chat_template is not None:
+        return await _request_template(st, req)
     if req.chat_template is None and getattr(tok, "chat_template", None) is None:
         raise APIError(400, "the tokenizer has no chat template; pass chat_template or use /v1/completions")
     try:
@@ -64,6 +67,21 @@ def _chat_prompt(st: ServerState, req: ChatCompletionRequest) -> list[int]:
     except Exception as e:  # noqa: BLE001 - a template error is the request's fault (bad roles, kwargs...)
         raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from None
     return list(encoded["input_ids"])
+
+
+async def _request_template(st: ServerState, req: ChatCompletionRequest) -> list[int]:
+    """A request's own template: refused unless the server allows it, then rendered sandboxed (templates.py)."""
+    if not st.settings.allow_request_chat_template:
+        raise APIError(400, "chat_template in a request is not allowed on this server (it runs the request's code); "
+                            "omit it to use the model's template, or start the server with "
+                            "server.allow_request_chat_template=true", param="chat_template")
+    tok = st.engine.tokenizer
+    messages = [{k: v for k, v in m.as_template_dict().items() if v is not None} for m in req.messages]
+    text = await templates.render(
+        req.chat_template, messages, dict(tok.special_tokens_map), tools=req.tools or None,
+        add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+        continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+    return list(await asyncio.to_thread(lambda: tok(text, add_special_tokens=False)["input_ids"]))
 
 
 def _submit(st: ServerState, ids: list[list[int]], params: Any, stream: asyncio.Queue | None

@@ -175,12 +175,12 @@ def to_sampling_params(req: _Sampling, defaults: SamplingConfig, max_n: int, max
 class InitWeightTransfer(_Strict):
     """``/init_weight_transfer``: join the trainer's group (vLLM's ``init_info`` fields)."""
 
-    master_address: str
-    master_port: int
-    world_size: int = 2
-    rank_offset: int = 1
+    master_address: str = Field(max_length=255)
+    master_port: int = Field(ge=1, le=65535)
+    world_size: int = Field(2, ge=2, le=1024)
+    rank_offset: int = Field(1, ge=1, le=1023)
     backend: Literal["nccl", "gloo"] | None = None  # None = nccl for a CUDA engine, else gloo
-    timeout_s: float = 600.0
+    timeout_s: float = Field(600.0, gt=0)  # capped at server.max_weight_timeout_s
     packed: bool = True
 
 
@@ -199,6 +199,6 @@ class UpdateWeights(_Strict):
 
 
 class UpdateWeightsFromDisk(_Strict):
-    path: str
+    path: str = Field(min_length=1, max_length=4096)
     version: int | None = None
     recompute_running: bool = True

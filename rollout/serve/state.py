@@ -10,6 +10,7 @@ from fastapi import Request
 
 from rollout.engine.async_engine import AsyncEngine
 from rollout.engine.validation import check_lengths, to_token_ids
+from rollout.serve.config import ServerConfig
 from rollout.serve.errors import APIError
 from rollout.settings.schema import SamplingConfig
 from rollout.weights.receiver import WeightReceiver
@@ -23,6 +24,7 @@ class ServerState:
     defaults: SamplingConfig
     max_n: int
     model_path: str | None = None
+    settings: ServerConfig = field(default_factory=ServerConfig)  # the ``server`` group
     receiver: WeightReceiver = field(init=False)
     counters: dict[str, float] = field(default_factory=lambda: {"weight_updates": 0, "last_update_s": 0.0})
 

@@ -17,11 +17,13 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rollout.models.loader import INDEX_FILE, iter_checkpoint, safetensors_files
@@ -43,15 +45,66 @@ def step_of(path: str | os.PathLike[str]) -> int | None:
 class CheckpointWeights:
     """Re-iterable ``(name, tensor)`` pairs of a safetensors directory: each pass reads one tensor at a time.
 
-    The files are found (and a directory without safetensors refused) when it is made.
+    Checked when it is made, so a bad directory fails before anything is read: the files are found (a
+    directory without safetensors refused), each must be a regular file (a FIFO would block the reader
+    forever) with a readable safetensors header. With ``root`` every path, symlinks resolved, must lie
+    under it (PermissionError otherwise). Errors are ValueError; a path that is missing, not a directory
+    or unreadable gets one message, so it does not tell which.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self.files = safetensors_files(self.path)
+    def __init__(self, path: str | os.PathLike[str], root: str | os.PathLike[str] | None = None) -> None:
+        self.path = _directory(path, root)
+        try:
+            self.files = safetensors_files(self.path)
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            if isinstance(e, ValueError) and not (self.path / INDEX_FILE).is_file():
+                raise
+            raise ValueError(f"{INDEX_FILE} in {_short(self.path)} is not a valid index "
+                             f"({{'weight_map': {{name: file}}}}): {type(e).__name__}") from None
+        for file in self.files:
+            _check_file(file, root)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter_checkpoint(self.path)  # a generator: safe_open, one get_tensor at a time
+
+
+def _short(path: str | os.PathLike[str]) -> str:
+    text = repr(str(path))
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _under(path: str | os.PathLike[str], root: str | os.PathLike[str] | None, what: str) -> Path:
+    real = Path(os.path.realpath(os.path.expanduser(path)))
+    if root is not None and not real.is_relative_to(os.path.realpath(os.path.expanduser(root))):
+        raise PermissionError(f"{what} {_short(path)} is outside the weights root (server.weights_root)")
+    return real
+
+
+def _directory(path: str | os.PathLike[str], root: str | os.PathLike[str] | None) -> Path:
+    try:
+        real = _under(path, root, "path")
+        if stat.S_ISDIR(os.stat(real).st_mode) and os.access(real, os.R_OK | os.X_OK):
+            return real
+    except PermissionError:
+        raise
+    except (OSError, ValueError):
+        pass
+    raise ValueError(f"path {_short(path)} is not a readable checkpoint directory (config.json + *.safetensors)")
+
+
+def _check_file(file: Path, root: str | os.PathLike[str] | None) -> None:
+    _under(file, root, "weight file")
+    try:
+        regular = stat.S_ISREG(os.stat(file).st_mode)
+    except OSError:
+        regular = False
+    if not regular:
+        raise ValueError(f"weight file {_short(file.name)} is not a regular file")
+    try:
+        with safe_open(str(file), framework="pt", device="cpu"):
+            pass
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type: random bytes, truncated, empty
+        raise ValueError(f"weight file {_short(file.name)} is not a readable safetensors file: {e}") from None
 
 
 def write_snapshot(weights: Iterable[tuple[str, torch.Tensor]], root: str | os.PathLike[str], step: int,
