@@ -81,7 +81,7 @@ class Replica:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
                 ids = to_token_ids(prompt, e.tokenizer, e.model.vocab_size)
-                check_lengths(len(ids), p, e.max_model_len, e.kv.num_tokens)
+                check_lengths(len(ids), p, e.max_model_len, e.kv.num_tokens, e.model.vocab_size)
             except ValueError as err:
                 raise ValueError(f"prompt {i}: {err}") from None
 

@@ -42,7 +42,7 @@ class ServerState:
         for i, p in enumerate(prompts):
             try:
                 ids = to_token_ids(p, e.tokenizer, e.model.vocab_size)
-                check_lengths(len(ids), params, e.max_model_len, e.kv.num_tokens)
+                check_lengths(len(ids), params, e.max_model_len, e.kv.num_tokens, e.model.vocab_size)
             except (TypeError, ValueError) as err:
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
                 code = "context_length_exceeded" if "max_model_len" in str(err) else None
