@@ -39,6 +39,7 @@ class _Waiter:
 
     future: Future
     on_partial: Callable[[RequestOutput], None] | None = None
+    num_seqs: int = 1  # params.n: what ``num_queued_seqs`` counts
     sent_tokens: int = -1  # landed tokens last passed to ``on_partial`` (summed over the request's samples)
 
 
@@ -71,6 +72,7 @@ class AsyncEngine:
         self._aborts: deque[str] = deque()
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
         self._waiters: dict[str, _Waiter] = {}
+        self._num_seqs = 0  # summed over _waiters
         self._paused = False
         self._stopping = False
         self.busy_s = 0.0  # wall time spent in steps: tokens/s = generated / busy_s
@@ -109,7 +111,9 @@ class AsyncEngine:
                 raise RuntimeError(CLOSED)
             if rid in self._waiters:
                 raise ValueError(f"request_id {rid!r} is already in use")
-            self._waiters[rid] = _Waiter(fut, on_partial)
+            n = getattr(params, "n", 1)  # not validated yet: the engine refuses a bad one when it adds it
+            self._waiters[rid] = waiter = _Waiter(fut, on_partial, n if type(n) is int and n > 0 else 1)
+            self._num_seqs += waiter.num_seqs
             self._incoming.append((prompt, params, rid))
             self._cv.notify_all()
         fut.add_done_callback(lambda f: self.abort(rid) if f.cancelled() else None)
@@ -118,7 +122,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """End a pending request now (its future is cancelled); unknown or finished ids are ignored."""
         with self._cv:
-            waiter = self._waiters.pop(request_id, None)
+            waiter = self._pop(request_id)
             if waiter is None:
                 return
             self._aborts.append(request_id)
@@ -142,6 +146,17 @@ class AsyncEngine:
 
     def num_pending(self) -> int:
         return len(self._waiters)
+
+    def num_queued_seqs(self) -> int:
+        """Sequences of the pending requests (submitted, not finished): waiting + running in the engine."""
+        return self._num_seqs
+
+    def _pop(self, request_id: str) -> _Waiter | None:
+        """Forget a pending request (the caller holds ``_cv``)."""
+        waiter = self._waiters.pop(request_id, None)
+        if waiter is not None:
+            self._num_seqs -= waiter.num_seqs
+        return waiter
 
     # ---- the loop thread only (inside ``call``) -----------------------------------------------------
     def set_paused(self, paused: bool) -> None:
@@ -216,7 +231,7 @@ class AsyncEngine:
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
         with self._cv:
-            finished = [(self._waiters.pop(o.request_id, None), o) for o in outs]
+            finished = [(self._pop(o.request_id), o) for o in outs]
             streams = [(rid, w) for rid, w in self._waiters.items() if w.on_partial is not None]
         for waiter, out in finished:
             if waiter is not None:
@@ -236,7 +251,7 @@ class AsyncEngine:
 
     def _fail(self, ids: list[str], exc: BaseException) -> None:
         with self._cv:
-            waiters = [w for w in (self._waiters.pop(r, None) for r in ids) if w is not None]
+            waiters = [w for w in (self._pop(r) for r in ids) if w is not None]
         for w in waiters:
             _resolve(w.future, None, exc)
 

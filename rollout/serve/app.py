@@ -22,7 +22,7 @@ def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str
     """The app; its lifespan starts the engine loop thread and stops it on shutdown."""
     loop = AsyncEngine(engine)
     st = ServerState(engine, loop, model_name, config.sampling, config.server.max_n or engine.config.max_num_seqs,
-                     model_path)
+                     model_path, config.server.max_prompts_per_request, config.server.max_queued_sequences)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -28,6 +28,9 @@ class ServerConfig:
     max_body_mib: int = 64  # larger request bodies get 413
     torch_threads: int | None = 1  # as rollout.torch_threads: 1 is fastest for tiny CPU models
     log_level: str = "warning"
+    # caps: one request cannot flood the engine (400 naming the cap; 429 with Retry-After while full)
+    max_prompts_per_request: int = 1024
+    max_queued_sequences: int = 16384  # waiting + running sequences (prompts x n) the engine holds at most
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -43,6 +46,8 @@ class ServerConfig:
             _int("server.torch_threads", self.torch_threads, lo=1, allowed="an int >= 1 or null")
         if self.log_level not in LOG_LEVELS:
             _fail("server.log_level", self.log_level, f"one of {list(LOG_LEVELS)}")
+        _int("server.max_prompts_per_request", self.max_prompts_per_request, lo=1)
+        _int("server.max_queued_sequences", self.max_queued_sequences, lo=1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,8 @@ class ServerState:
     defaults: SamplingConfig
     max_n: int
     model_path: str | None = None
+    max_prompts: int = 1024  # server.max_prompts_per_request
+    max_queued: int = 16384  # server.max_queued_sequences
     receiver: WeightReceiver = field(init=False)
     counters: dict[str, float] = field(default_factory=lambda: {"weight_updates": 0, "last_update_s": 0.0})
 
@@ -37,6 +39,9 @@ class ServerState:
 
     def prompt_ids(self, prompts: list[Any], params: Any) -> list[list[int]]:
         """Token ids for every prompt, all checked before any is queued (400 naming the prompt)."""
+        if len(prompts) > self.max_prompts:
+            raise APIError(400, f"{len(prompts)} prompts in one request; allowed: at most {self.max_prompts} "
+                                "(server.max_prompts_per_request)", param="prompt")
         e = self.engine
         out = []
         for i, p in enumerate(prompts):
@@ -49,6 +54,16 @@ class ServerState:
                 raise APIError(400, f"{where}{err}", param="prompt", code=code) from None
             out.append(ids)
         return out
+
+    def check_room(self, num_seqs: int) -> None:
+        """400 for a request larger than the whole queue, 429 (retry later) while the queue is too full for it."""
+        cap, held = self.max_queued, self.loop.num_queued_seqs()
+        if num_seqs > cap:
+            raise APIError(400, f"the request asks for {num_seqs} sequences (prompts x n); allowed: at most {cap} "
+                                "(server.max_queued_sequences)", param="n")
+        if held + num_seqs > cap:
+            raise APIError(429, f"the server holds {held} sequences and this request adds {num_seqs}, over its cap "
+                                f"of {cap} (server.max_queued_sequences); retry later", headers={"Retry-After": "1"})
 
     async def run(self, fn: Any) -> Any:
         """Run ``fn`` in the engine loop thread at a step boundary and await its result."""
