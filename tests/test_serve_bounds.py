@@ -88,3 +88,14 @@ def test_a_full_queue_answers_429_with_retry_after_then_serves_again(env):
     assert all(f.result(timeout=60)[0] == 200 for f in held)
     pool.shutdown()
     assert _served(env)
+
+
+@pytest.mark.parametrize("key", ["max_prompts_per_request", "max_queued_sequences"])
+def test_cap_settings_are_mirrored_and_checked(key):
+    from rollout.cli import serve
+    from rollout.serve.config import ServerConfig
+    from tests.script_helpers import compose
+
+    assert getattr(serve.load_config(compose("serve")).server, key) == getattr(ServerConfig(), key)
+    with pytest.raises(ValueError, match=f"server.{key}=0"):
+        serve.load_config(compose("serve", f"server.{key}=0"))

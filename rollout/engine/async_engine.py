@@ -10,7 +10,9 @@ and each pool replica run one, so a caller never blocks a step and a step never 
 
 A step that raises is rolled back by the engine. The requests it held (``Engine.failed_request_ids``)
 fail with its error and are aborted, so a request that breaks every step it is in cannot wedge the loop;
-the loop serves everything else on.
+the loop serves everything else on. Should the thread itself die (a bug outside a step), ``alive`` turns
+False, ``error`` says why, everything pending fails and later submits are refused: the server's
+``/health`` then answers 503, and a pool replica exits so the pool replaces it.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class AsyncEngine:
         self._stopping = False
         self.busy_s = 0.0  # wall time spent in steps: tokens/s = generated / busy_s
         self.rate = TokenRate()
+        self.error: BaseException | None = None  # what killed the thread, if something did
         self._cuda_index = _cuda_index(engine.device)  # resolved here, in the thread that built the engine
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -108,7 +111,7 @@ class AsyncEngine:
         fut: Future = Future()
         with self._cv:
             if self._stopping:
-                raise RuntimeError(CLOSED)
+                raise self._closed()
             if rid in self._waiters:
                 raise ValueError(f"request_id {rid!r} is already in use")
             n = getattr(params, "n", 1)  # not validated yet: the engine refuses a bad one when it adds it
@@ -134,7 +137,7 @@ class AsyncEngine:
         fut: Future = Future()
         with self._cv:
             if self._stopping:
-                fut.set_exception(RuntimeError(CLOSED))
+                fut.set_exception(self._closed())
                 return fut
             self._commands.append((fn, fut))
             self._cv.notify_all()
@@ -143,6 +146,11 @@ class AsyncEngine:
     @property
     def paused(self) -> bool:
         return self._paused
+
+    @property
+    def alive(self) -> bool:
+        """The thread runs and takes work (False before ``start``, after ``close``, or once it died)."""
+        return self._thread.is_alive() and not self._stopping
 
     def num_pending(self) -> int:
         return len(self._waiters)
@@ -177,6 +185,15 @@ class AsyncEngine:
         return not self._paused and not self.engine.is_sleeping and self.engine.has_unfinished_requests()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - a bug outside a step: refuse work from now on, say why
+            log.exception("the engine loop died; its pending requests fail and it takes no more")
+            with self._cv:
+                self.error, self._stopping = e, True
+        self._fail_pending()
+
+    def _serve(self) -> None:
         if self._cuda_index is not None:
             import torch
 
@@ -201,7 +218,6 @@ class AsyncEngine:
                         fut.set_exception(e)
             if self._runnable():
                 self._step()
-        self._fail_pending()
 
     def _add(self, incoming: deque[tuple[Any, SamplingParams | None, str]]) -> None:
         for prompt, params, rid in incoming:
@@ -270,9 +286,12 @@ class AsyncEngine:
                 self.engine.step()
         except Exception:  # noqa: BLE001 - closing after a fault: the futures still fail below
             log.exception("collecting aborted requests while closing")
-        self._fail(ids, RuntimeError(CLOSED))
+        self._fail(ids, self._closed())
         for _, fut in commands:
-            _resolve(fut, None, RuntimeError(CLOSED))
+            _resolve(fut, None, self._closed())
+
+    def _closed(self) -> RuntimeError:
+        return RuntimeError(CLOSED if self.error is None else f"the engine loop died: {self.error!r}")
 
 
 def _resolve(fut: Future, value: Any, exc: BaseException | None) -> None:

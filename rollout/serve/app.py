@@ -42,6 +42,8 @@ def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str
 
     @app.get("/health")
     async def health() -> Any:
+        if not loop.alive:  # unhealthy only while the engine loop cannot serve (a failed step does not count)
+            return errors.error_response(503, f"the engine loop is not running ({loop.error!r})")
         return JSONResponse({})
 
     @app.get("/v1/models")
