@@ -76,3 +76,12 @@ def test_seeds_across_the_whole_range_give_the_results_they_gave(engine, hf):
                                                                    n=2))[0]
     high, low = sample(2**63 + 12345), sample(12345)
     assert [c.token_ids for c in high.outputs] == [c.token_ids for c in low.outputs]
+
+
+def test_the_job_refuses_them_at_its_config():
+    from rollout.settings.schema import SamplingConfig
+
+    with pytest.raises(ValueError, match=r"sampling.top_k=9223372036854775808 is invalid"):
+        SamplingConfig(top_k=2**63)
+    with pytest.raises(ValueError, match="stop has 65 strings"):
+        SamplingConfig(stop=("x",) * 65).to_params()  # the job calls this before it starts
