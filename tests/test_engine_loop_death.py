@@ -38,11 +38,14 @@ def _kill(loop: AsyncEngine) -> None:
     assert not loop._thread.is_alive()
 
 
-def test_a_dead_loop_fails_what_it_held_and_refuses_more(hf):
+@pytest.mark.parametrize("abort_breaks", [False, True])
+def test_a_dead_loop_fails_what_it_held_and_refuses_more(hf, abort_breaks):
     eng = make_engine(hf, block_size=4)
     loop = AsyncEngine(eng).start()
     held = loop.submit([4, 5, 6], _long())
     assert loop.alive
+    if abort_breaks:  # the engine is broken too: cleaning up after the death raises, the futures still fail
+        eng.abort = lambda request_id: 1 / 0
     _kill(loop)
     assert not loop.alive and isinstance(loop.error, AssertionError)
     with pytest.raises(RuntimeError, match="engine loop died: AssertionError"):

@@ -277,9 +277,9 @@ class AsyncEngine:
             ids = list(self._waiters)
             commands, self._commands = self._commands, deque()
             self._incoming.clear()
-        for rid in ids:
-            self.engine.abort(rid)
-        try:  # collect the aborted outputs (and a step still in flight): the engine is left with no request
+        try:  # abort, then collect the aborted outputs (and a step in flight): the engine is left with no request
+            for rid in ids:
+                self.engine.abort(rid)
             for _ in range(3):
                 if not self.engine.has_unfinished_requests():
                     break
