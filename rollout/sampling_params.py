@@ -6,6 +6,14 @@ import math
 from dataclasses import dataclass, field
 
 LOGPROBS_MODES = ("policy", "processed", "raw")
+# Bounds on what one request may ask for, so nothing overflows int64 (or int32) inside a step; the engine
+# further bounds top_k and stop_token_ids by its vocabulary and max_tokens by max_model_len.
+MAX_INT32 = (1 << 31) - 1
+MAX_N = 1 << 16
+MAX_SEED = 1 << 64  # exclusive
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 512  # per stop string: the stop check detokenizes that many trailing tokens per token
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(slots=True)
@@ -37,38 +45,55 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Refuse values a user can get wrong, naming the value and the allowed range."""
-        _check_int("n", self.n, lo=1)
+        _check_int("n", self.n, 1, MAX_N)
         _check_num("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         _check_num("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k, lo=-1)
+        _check_int("top_k", self.top_k, -1, MAX_INT32, "-1 or 0 (off) or an int in [1, vocab_size]")
         _check_num("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        _check_int("max_tokens", self.max_tokens, lo=1)
-        _check_int("min_tokens", self.min_tokens, lo=0)
+        _check_int("max_tokens", self.max_tokens, 1, MAX_INT32)
+        _check_int("min_tokens", self.min_tokens, 0, MAX_INT32)
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
         if self.seed is not None:
-            _check_int("seed", self.seed)
+            _check_int("seed", self.seed, 0, MAX_SEED - 1, "an int in [0, 2**64) or None")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)):
                 raise TypeError(f"stop_token_ids must be a list of ints, got {type(self.stop_token_ids).__name__}")
+            if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+                raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} entries; allowed: at most "
+                                 f"{MAX_STOP_TOKEN_IDS}")
             for t in self.stop_token_ids:
-                _check_int("stop_token_ids entry", t, lo=0)
+                _check_int("stop_token_ids entry", t, 0, MAX_INT32, "an int in [0, vocab_size)")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None:
             if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
                 raise TypeError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            if len(self.stop) > MAX_STOP_STRINGS:
+                raise ValueError(f"stop has {len(self.stop)} strings; allowed: at most {MAX_STOP_STRINGS}")
+            longest = max((len(s) for s in self.stop), default=0)
+            if longest > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string has {longest} characters; allowed: at most {MAX_STOP_CHARS}")
         self.stop_set = frozenset(self.stop_token_ids or ())
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The bounds that depend on the model: ``top_k`` and ``stop_token_ids`` within its vocabulary."""
+        if self.top_k > vocab_size:
+            raise ValueError(f"top_k={self.top_k} is out of range; allowed: -1 or 0 (off) or an int in "
+                             f"[1, {vocab_size}] (the vocabulary size)")
+        for t in self.stop_token_ids or ():
+            if t >= vocab_size:
+                raise ValueError(f"stop_token_ids entry {t} is outside the vocabulary; allowed: [0, {vocab_size})")
 
     @property
     def effective_top_k(self) -> int:
@@ -76,11 +101,11 @@ class SamplingParams:
         return 0 if self.top_k in (0, -1) else self.top_k
 
 
-def _check_int(name: str, value: object, lo: int | None = None) -> None:
+def _check_int(name: str, value: object, lo: int, hi: int, allowed: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if lo is not None and value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}={value} is out of range; allowed: {allowed or f'an int in [{lo}, {hi}]'}")
 
 
 def _check_num(name: str, value: object) -> None:

@@ -166,6 +166,26 @@ def test_killed_replica_loses_no_group(pool, reference) -> None:
     assert pool.update_weights(make_tiny_hf_model("llama", seed=8).named_parameters()) == 8  # a new group
 
 
+def test_a_replica_whose_engine_loop_died_is_replaced(pool, reference) -> None:
+    """The actor still answers, but its AsyncEngine thread is gone: it exits, and the pool replaces it."""
+    version = pool.policy_version
+    reference.update_weights([(n, t.detach()) for n, t in pool_weights(version)], version=version)
+    victim = pool.members[1].actor
+    pool.ray.get(victim.__ray_call__.remote(lambda replica: replica.loop.close()))
+    prompts = random_prompts(8, 256, hi=16, seed=6)
+    params = _params(len(prompts), max_tokens=16)
+    assert _tokens(pool.generate(prompts, params)) == _tokens(reference.generate(prompts, params))
+    pool.wait_ready()
+    assert pool.members[1].actor != victim
+    assert [r["policy_version"] for r in pool.stats()["replicas"]] == [version, version]
+
+
+def pool_weights(version: int):
+    """The weights the earlier tests pushed last (``test_killed_replica_loses_no_group``: seed 8)."""
+    assert version == 8, version
+    return make_tiny_hf_model("llama", seed=8).named_parameters()
+
+
 def test_trl_rollout_over_the_pool(pool) -> None:
     from types import SimpleNamespace
 

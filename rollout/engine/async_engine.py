@@ -10,7 +10,9 @@ and each pool replica run one, so a caller never blocks a step and a step never 
 
 A step that raises is rolled back by the engine. The requests it held (``Engine.failed_request_ids``)
 fail with its error and are aborted, so a request that breaks every step it is in cannot wedge the loop;
-the loop serves everything else on.
+the loop serves everything else on. Should the thread itself die (a bug outside a step), ``alive`` turns
+False, ``error`` says why, everything pending fails and later submits are refused: the server's
+``/health`` then answers 503, and a pool replica exits so the pool replaces it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class _Waiter:
 
     future: Future
     on_partial: Callable[[RequestOutput], None] | None = None
+    num_seqs: int = 1  # params.n: what ``num_queued_seqs`` counts
     sent_tokens: int = -1  # landed tokens last passed to ``on_partial`` (summed over the request's samples)
 
 
@@ -71,10 +74,12 @@ class AsyncEngine:
         self._aborts: deque[str] = deque()
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
         self._waiters: dict[str, _Waiter] = {}
+        self._num_seqs = 0  # summed over _waiters
         self._paused = False
         self._stopping = False
         self.busy_s = 0.0  # wall time spent in steps: tokens/s = generated / busy_s
         self.rate = TokenRate()
+        self.error: BaseException | None = None  # what killed the thread, if something did
         self._cuda_index = _cuda_index(engine.device)  # resolved here, in the thread that built the engine
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -106,10 +111,12 @@ class AsyncEngine:
         fut: Future = Future()
         with self._cv:
             if self._stopping:
-                raise RuntimeError(CLOSED)
+                raise self._closed()
             if rid in self._waiters:
                 raise ValueError(f"request_id {rid!r} is already in use")
-            self._waiters[rid] = _Waiter(fut, on_partial)
+            n = getattr(params, "n", 1)  # not validated yet: the engine refuses a bad one when it adds it
+            self._waiters[rid] = waiter = _Waiter(fut, on_partial, n if type(n) is int and n > 0 else 1)
+            self._num_seqs += waiter.num_seqs
             self._incoming.append((prompt, params, rid))
             self._cv.notify_all()
         fut.add_done_callback(lambda f: self.abort(rid) if f.cancelled() else None)
@@ -118,7 +125,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """End a pending request now (its future is cancelled); unknown or finished ids are ignored."""
         with self._cv:
-            waiter = self._waiters.pop(request_id, None)
+            waiter = self._pop(request_id)
             if waiter is None:
                 return
             self._aborts.append(request_id)
@@ -130,7 +137,7 @@ class AsyncEngine:
         fut: Future = Future()
         with self._cv:
             if self._stopping:
-                fut.set_exception(RuntimeError(CLOSED))
+                fut.set_exception(self._closed())
                 return fut
             self._commands.append((fn, fut))
             self._cv.notify_all()
@@ -140,8 +147,24 @@ class AsyncEngine:
     def paused(self) -> bool:
         return self._paused
 
+    @property
+    def alive(self) -> bool:
+        """The thread runs and takes work (False before ``start``, after ``close``, or once it died)."""
+        return self._thread.is_alive() and not self._stopping
+
     def num_pending(self) -> int:
         return len(self._waiters)
+
+    def num_queued_seqs(self) -> int:
+        """Sequences of the pending requests (submitted, not finished): waiting + running in the engine."""
+        return self._num_seqs
+
+    def _pop(self, request_id: str) -> _Waiter | None:
+        """Forget a pending request (the caller holds ``_cv``)."""
+        waiter = self._waiters.pop(request_id, None)
+        if waiter is not None:
+            self._num_seqs -= waiter.num_seqs
+        return waiter
 
     # ---- the loop thread only (inside ``call``) -----------------------------------------------------
     def set_paused(self, paused: bool) -> None:
@@ -162,6 +185,15 @@ class AsyncEngine:
         return not self._paused and not self.engine.is_sleeping and self.engine.has_unfinished_requests()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - a bug outside a step: refuse work from now on, say why
+            log.exception("the engine loop died; its pending requests fail and it takes no more")
+            with self._cv:
+                self.error, self._stopping = e, True
+        self._fail_pending()
+
+    def _serve(self) -> None:
         if self._cuda_index is not None:
             import torch
 
@@ -186,7 +218,6 @@ class AsyncEngine:
                         fut.set_exception(e)
             if self._runnable():
                 self._step()
-        self._fail_pending()
 
     def _add(self, incoming: deque[tuple[Any, SamplingParams | None, str]]) -> None:
         for prompt, params, rid in incoming:
@@ -216,7 +247,7 @@ class AsyncEngine:
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
         with self._cv:
-            finished = [(self._waiters.pop(o.request_id, None), o) for o in outs]
+            finished = [(self._pop(o.request_id), o) for o in outs]
             streams = [(rid, w) for rid, w in self._waiters.items() if w.on_partial is not None]
         for waiter, out in finished:
             if waiter is not None:
@@ -236,7 +267,7 @@ class AsyncEngine:
 
     def _fail(self, ids: list[str], exc: BaseException) -> None:
         with self._cv:
-            waiters = [w for w in (self._waiters.pop(r, None) for r in ids) if w is not None]
+            waiters = [w for w in (self._pop(r) for r in ids) if w is not None]
         for w in waiters:
             _resolve(w.future, None, exc)
 
@@ -246,18 +277,21 @@ class AsyncEngine:
             ids = list(self._waiters)
             commands, self._commands = self._commands, deque()
             self._incoming.clear()
-        for rid in ids:
-            self.engine.abort(rid)
-        try:  # collect the aborted outputs (and a step still in flight): the engine is left with no request
+        try:  # abort, then collect the aborted outputs (and a step in flight): the engine is left with no request
+            for rid in ids:
+                self.engine.abort(rid)
             for _ in range(3):
                 if not self.engine.has_unfinished_requests():
                     break
                 self.engine.step()
         except Exception:  # noqa: BLE001 - closing after a fault: the futures still fail below
             log.exception("collecting aborted requests while closing")
-        self._fail(ids, RuntimeError(CLOSED))
+        self._fail(ids, self._closed())
         for _, fut in commands:
-            _resolve(fut, None, RuntimeError(CLOSED))
+            _resolve(fut, None, self._closed())
+
+    def _closed(self) -> RuntimeError:
+        return RuntimeError(CLOSED if self.error is None else f"the engine loop died: {self.error!r}")
 
 
 def _resolve(fut: Future, value: Any, exc: BaseException | None) -> None:

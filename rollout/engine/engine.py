@@ -125,7 +125,7 @@ class Engine:
     def _prepare(self, prompt: object, params: SamplingParams) -> list[int]:
         """Everything about one request that can be refused, checked before anything is queued."""
         ids = to_token_ids(prompt, self.tokenizer, self.model.vocab_size)
-        check_lengths(len(ids), params, self.max_model_len, self.kv.num_tokens)
+        check_lengths(len(ids), params, self.max_model_len, self.kv.num_tokens, self.model.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {params.stop!r} need a tokenizer, and this engine has none; "
                              "use stop_token_ids, or load the model with a tokenizer")

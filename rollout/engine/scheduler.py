@@ -84,9 +84,8 @@ class Scheduler:
             del seq.token_ids[len(seq.token_ids) - seq.num_inflight :]
             seq.num_inflight = 0
         seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop_reason
-        for queue in (self.running, self.waiting):
-            if seq in queue:
-                queue.remove(seq)
+        if not self._remove(self.running, seq):
+            self._remove(self.waiting, seq)
         self.block_manager.free(seq)
         del self.seqs[seq.seq_id]
 
@@ -201,7 +200,7 @@ class Scheduler:
         return budget
 
     def _start(self, seq: Sequence, n: int, chosen: list[tuple[Sequence, int]], admitted: set[int]) -> None:
-        self.waiting.remove(seq)
+        self._remove(self.waiting, seq)
         seq.status = SequenceStatus.RUNNING
         self._insert(self.running, seq)
         admitted.add(seq.seq_id)
@@ -289,7 +288,7 @@ class Scheduler:
         self._drop_swapped()
         moved = list(self.running)
         for seq in reversed(moved):
-            self.running.remove(seq)
+            self._remove(self.running, seq)
             self.block_manager.free(seq, register=False)
             seq.status = SequenceStatus.WAITING
             self._insert(self.waiting, seq)
@@ -304,7 +303,7 @@ class Scheduler:
         moved = list(self.running)
         for seq in reversed(moved):
             assert seq.num_inflight == 0, "recompute with a sample in flight (collect it first)"
-            self.running.remove(seq)
+            self._remove(self.running, seq)
             self.block_manager.free(seq)
             seq.status = SequenceStatus.WAITING
             self._insert(self.waiting, seq)
@@ -314,7 +313,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Swap or recompute by the module docstring's rule. A sample still in flight stays a placeholder
         (admission waits for it); its KV position is not computed yet, so neither path loses it."""
-        self.running.remove(seq)
+        self._remove(self.running, seq)
         bm = self.block_manager
         if seq.num_computed_tokens >= SWAP_MIN_BLOCKS * bm.block_size and bm.can_swap_out(seq):
             self._swap_out += bm.swap_out(seq)
@@ -335,8 +334,21 @@ class Scheduler:
 
     @staticmethod
     def _insert(queue: list[Sequence], seq: Sequence) -> None:
-        keys = [(s.arrival, s.seq_id) for s in queue]
-        queue.insert(bisect.bisect(keys, (seq.arrival, seq.seq_id)), seq)
+        """Keep ``queue`` sorted by (arrival, seq_id): O(1) for a newcomer (the usual case), else O(log n)."""
+        key = _order(seq)
+        if not queue or _order(queue[-1]) < key:
+            queue.append(seq)
+        else:
+            queue.insert(bisect.bisect(queue, key, key=_order), seq)
+
+    @staticmethod
+    def _remove(queue: list[Sequence], seq: Sequence) -> bool:
+        """Take ``seq`` out of the sorted ``queue`` (found by bisection, not a scan); False if not there."""
+        i = bisect.bisect_left(queue, _order(seq), key=_order)
+        if i < len(queue) and queue[i] is seq:
+            del queue[i]
+            return True
+        return False
 
     @property
     def num_running(self) -> int:
@@ -345,3 +357,7 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+
+def _order(seq: Sequence) -> tuple[int, int]:
+    return seq.arrival, seq.seq_id

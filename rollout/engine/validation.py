@@ -67,7 +67,10 @@ def check_request_id(request_id: object) -> str:
     return request_id
 
 
-def check_lengths(num_prompt: int, params: SamplingParams, max_model_len: int, max_kv_tokens: int) -> None:
+def check_lengths(num_prompt: int, params: SamplingParams, max_model_len: int, max_kv_tokens: int,
+                  vocab_size: int) -> None:
+    """The request fits the model: prompt + max_tokens within both limits, top_k and stop ids within the vocab."""
+    params.check_vocab(vocab_size)
     if num_prompt >= max_model_len:
         raise ValueError(f"prompt has {num_prompt} tokens; max_model_len is {max_model_len} (prompt must be shorter)")
     total = num_prompt + params.max_tokens

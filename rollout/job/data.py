@@ -92,7 +92,7 @@ class PromptDataset:
                     raise ValueError(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
                 if not ids:
                     raise ValueError("the prompt has no tokens")
-                check_lengths(len(ids), params, limits.max_model_len, limits.max_kv_tokens)
+                check_lengths(len(ids), params, limits.max_model_len, limits.max_kv_tokens, limits.vocab_size)
             except ValueError as e:
                 msg = str(e) if str(e).startswith("row ") else f"row {index}: {e}"
                 raise ValueError(f"{where}, {msg}") from None

@@ -13,7 +13,9 @@ A replica co-located with the trainer (``device_uuid``: the trainer's GPU) takes
 
 ``sleep`` / ``wake_up`` are ``Engine``'s, plus the receiver's staging buffer (a model's worth of bytes kept
 between broadcasts): it goes while the replica sleeps, and a push that arrives then frees it again after
-applying. A sleeping replica refuses ``run`` (its engine could not step until woken).
+applying. A sleeping replica refuses ``run`` (its engine could not step until woken). A replica whose
+``AsyncEngine`` thread died exits its actor (``ready`` or ``run`` finds it), so the pool sees a dead actor
+and replaces it as it replaces any other.
 
 Nothing here imports Ray at module level (``ready`` asks it for the node id when present): ``pool.py``
 wraps ``Replica`` with ``ray.remote``, so the class is testable in process and imports without Ray.
@@ -57,6 +59,7 @@ class Replica:
     # ---- info ------------------------------------------------------------------------------------
     def ready(self) -> dict[str, Any]:
         """What the pool needs to schedule onto this replica (capacity in sequences) and its version."""
+        self._check_loop()
         e = self.engine
         return {"index": self.index, "max_num_seqs": e.config.max_num_seqs, "policy_version": e.policy_version,
                 "device": str(e.device), "num_blocks": e.num_blocks,
@@ -81,7 +84,7 @@ class Replica:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
                 ids = to_token_ids(prompt, e.tokenizer, e.model.vocab_size)
-                check_lengths(len(ids), p, e.max_model_len, e.kv.num_tokens)
+                check_lengths(len(ids), p, e.max_model_len, e.kv.num_tokens, e.model.vocab_size)
             except ValueError as err:
                 raise ValueError(f"prompt {i}: {err}") from None
 
@@ -90,7 +93,25 @@ class Replica:
         if self.engine.is_sleeping:
             raise RuntimeError(f"replica {self.index} is asleep (sleep() was called); call wake_up() "
                                "before giving it work")
-        return await asyncio.wrap_future(self.loop.submit(prompt, params, request_id))
+        self._check_loop()
+        try:
+            return await asyncio.wrap_future(self.loop.submit(prompt, params, request_id))
+        except RuntimeError:
+            self._check_loop()  # the loop died meanwhile: exit rather than fail the group as its own fault
+            raise
+
+    def _check_loop(self) -> None:
+        """A dead engine loop serves nothing again: exit the actor (the pool replaces it); raise outside Ray."""
+        if self.loop.alive:
+            return
+        message = f"replica {self.index}: its engine loop is not running ({self.loop.error!r})"
+        try:
+            import ray
+        except ImportError:
+            ray = None
+        if ray is not None and ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+            ray.actor.exit_actor()
+        raise RuntimeError(message)
 
     # ---- weights ---------------------------------------------------------------------------------
     async def join_weight_group(self, master_address: str, master_port: int, world_size: int, rank: int,

@@ -23,7 +23,8 @@ def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str
     """The app; its lifespan starts the engine loop thread and stops it on shutdown."""
     loop = AsyncEngine(engine)
     st = ServerState(engine, loop, model_name, config.sampling, config.server.max_n or engine.config.max_num_seqs,
-                     model_path, settings=config.server)
+                     model_path, config.server.max_prompts_per_request, config.server.max_queued_sequences,
+                     settings=config.server)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -49,6 +50,8 @@ def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str
 
     @app.get("/health")
     async def health() -> Any:
+        if not loop.alive:  # unhealthy only while the engine loop cannot serve (a failed step does not count)
+            return errors.error_response(503, f"the engine loop is not running ({loop.error!r})")
         return JSONResponse({})
 
     @app.get("/v1/models")

@@ -37,6 +37,9 @@ class ServerConfig:
     max_weight_timeout_s: float = 120.0  # cap on a weight-transfer request's timeout_s (how long a join may block)
     weights_root: str | None = None  # /update_weights_from_disk reads only under this directory; null = anywhere
     allow_request_chat_template: bool = False  # a request's own chat_template (rendered sandboxed, time-limited)
+    # caps: one request cannot flood the engine (400 naming the cap; 429 with Retry-After while full)
+    max_prompts_per_request: int = 1024
+    max_queued_sequences: int = 16384  # waiting + running sequences (prompts x n) the engine holds at most
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -58,6 +61,8 @@ class ServerConfig:
         check_num("server.max_weight_timeout_s", self.max_weight_timeout_s, lo=1.0)
         check_opt_str("server.weights_root", self.weights_root)
         check_sources(self.weight_sources)
+        _int("server.max_prompts_per_request", self.max_prompts_per_request, lo=1)
+        _int("server.max_queued_sequences", self.max_queued_sequences, lo=1)
 
 
 @dataclass(frozen=True, slots=True)

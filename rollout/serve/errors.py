@@ -16,14 +16,15 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-         409: "conflict_error", 413: "request_too_large",
-         422: "invalid_request_error", 503: "service_unavailable"}
+         409: "conflict_error", 413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_exceeded",
+         503: "service_unavailable"}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -32,8 +33,9 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "param": param, "code": code if code is not None else status}}
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 def describe_validation(errors: list[dict[str, Any]]) -> tuple[int, str, str | None]:
@@ -63,7 +65,7 @@ def _short(value: Any) -> str:
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(_: Request, e: APIError) -> JSONResponse:
-        return error_response(e.status, e.message, e.param, e.code)
+        return error_response(e.status, e.message, e.param, e.code, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:

@@ -87,6 +87,7 @@ async def _request_template(st: ServerState, req: ChatCompletionRequest) -> list
 def _submit(st: ServerState, ids: list[list[int]], params: Any, stream: asyncio.Queue | None
             ) -> tuple[list[str], list[asyncio.Future]]:
     """Queue every prompt; awaitable futures of their outputs, or (``stream``) their outputs fed to the queue."""
+    st.check_room(len(ids) * params.n)  # no await between this check and the submits: it holds
     aloop = asyncio.get_running_loop()
     rids, futs = [], []
     try:

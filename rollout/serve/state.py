@@ -25,6 +25,8 @@ class ServerState:
     max_n: int
     model_path: str | None = None
     settings: ServerConfig = field(default_factory=ServerConfig)  # the ``server`` group
+    max_prompts: int = 1024  # server.max_prompts_per_request
+    max_queued: int = 16384  # server.max_queued_sequences
     receiver: WeightReceiver = field(init=False)
     counters: dict[str, float] = field(default_factory=lambda: {"weight_updates": 0, "last_update_s": 0.0})
 
@@ -39,18 +41,31 @@ class ServerState:
 
     def prompt_ids(self, prompts: list[Any], params: Any) -> list[list[int]]:
         """Token ids for every prompt, all checked before any is queued (400 naming the prompt)."""
+        if len(prompts) > self.max_prompts:
+            raise APIError(400, f"{len(prompts)} prompts in one request; allowed: at most {self.max_prompts} "
+                                "(server.max_prompts_per_request)", param="prompt")
         e = self.engine
         out = []
         for i, p in enumerate(prompts):
             try:
                 ids = to_token_ids(p, e.tokenizer, e.model.vocab_size)
-                check_lengths(len(ids), params, e.max_model_len, e.kv.num_tokens)
+                check_lengths(len(ids), params, e.max_model_len, e.kv.num_tokens, e.model.vocab_size)
             except (TypeError, ValueError) as err:
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
                 code = "context_length_exceeded" if "max_model_len" in str(err) else None
                 raise APIError(400, f"{where}{err}", param="prompt", code=code) from None
             out.append(ids)
         return out
+
+    def check_room(self, num_seqs: int) -> None:
+        """400 for a request larger than the whole queue, 429 (retry later) while the queue is too full for it."""
+        cap, held = self.max_queued, self.loop.num_queued_seqs()
+        if num_seqs > cap:
+            raise APIError(400, f"the request asks for {num_seqs} sequences (prompts x n); allowed: at most {cap} "
+                                "(server.max_queued_sequences)", param="n")
+        if held + num_seqs > cap:
+            raise APIError(429, f"the server holds {held} sequences and this request adds {num_seqs}, over its cap "
+                                f"of {cap} (server.max_queued_sequences); retry later", headers={"Retry-After": "1"})
 
     async def run(self, fn: Any) -> Any:
         """Run ``fn`` in the engine loop thread at a step boundary and await its result."""

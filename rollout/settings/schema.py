@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from rollout.config import EngineConfig
-from rollout.sampling_params import LOGPROBS_MODES, SamplingParams
+from rollout.sampling_params import LOGPROBS_MODES, MAX_INT32, SamplingParams
 from rollout.settings.checks import (
     check_bool,
     check_choice,
@@ -68,7 +68,7 @@ class SamplingConfig:
         check_int("sampling.n", self.n, lo=1)
         check_num("sampling.temperature", self.temperature, lo=0.0, allowed="a number >= 0 (0 = greedy)")
         check_num("sampling.top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True, allowed="a number in (0, 1]")
-        check_int("sampling.top_k", self.top_k, lo=-1, allowed="an int >= 0 (0 or -1 = off)")
+        check_int("sampling.top_k", self.top_k, -1, MAX_INT32, "0 or -1 (off) or an int in [1, vocab_size]")
         check_num("sampling.min_p", self.min_p, lo=0.0, hi=1.0, allowed="a number in [0, 1]")
         check_int("sampling.max_tokens", self.max_tokens, lo=1)
         check_int("sampling.min_tokens", self.min_tokens, 0, self.max_tokens, "an int in [0, max_tokens]")
