@@ -22,7 +22,7 @@ def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str
     """The app; its lifespan starts the engine loop thread and stops it on shutdown."""
     loop = AsyncEngine(engine)
     st = ServerState(engine, loop, model_name, config.sampling, config.server.max_n or engine.config.max_num_seqs,
-                     model_path)
+                     model_path, config.server)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -32,6 +32,7 @@ def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str
         finally:
             loop.close()
             st.receiver.close()
+            st.text_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="rollout", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = st

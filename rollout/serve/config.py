@@ -13,6 +13,7 @@ from typing import Any
 
 from rollout.config import EngineConfig
 from rollout.settings.checks import check_int as _int
+from rollout.settings.checks import check_num as _num
 from rollout.settings.checks import fail as _fail
 from rollout.settings.schema import ModelConfig, SamplingConfig, parse_section
 
@@ -28,6 +29,14 @@ class ServerConfig:
     max_body_mib: int = 64  # larger request bodies get 413
     torch_threads: int | None = 1  # as rollout.torch_threads: 1 is fastest for tiny CPU models
     log_level: str = "warning"
+    # Text work and connections: nothing a client sends can stall the event loop or hold resources unbounded.
+    text_workers: int = 2  # threads that tokenize, render chat templates and detokenize (never the event loop)
+    max_chars_per_token: int = 32  # a string prompt over max_model_len x this many characters is refused untokenized
+    stream_buffer_tokens: int = 65536  # a stream whose reader falls this many tokens behind is aborted
+    max_connections: int = 1024  # open connections beyond this are closed at once (capped by the open-file limit)
+    read_timeout_s: float = 30.0  # a request's headers and body must arrive within this (slowloris guard)
+    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
+    max_header_kib: int = 16  # a larger request head is refused (h11's max incomplete event size)
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -43,6 +52,10 @@ class ServerConfig:
             _int("server.torch_threads", self.torch_threads, lo=1, allowed="an int >= 1 or null")
         if self.log_level not in LOG_LEVELS:
             _fail("server.log_level", self.log_level, f"one of {list(LOG_LEVELS)}")
+        for key in ("text_workers", "max_chars_per_token", "stream_buffer_tokens", "max_connections", "max_header_kib"):
+            _int(f"server.{key}", getattr(self, key), lo=1)
+        _num("server.read_timeout_s", self.read_timeout_s, lo=0, lo_open=True)
+        _num("server.keep_alive_s", self.keep_alive_s, lo=0, lo_open=True)
 
 
 @dataclass(frozen=True, slots=True)
