@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import socket
@@ -13,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from rollout.engine.async_engine import AsyncEngine
-from rollout.serve import admin, errors, generate, metrics
+from rollout.serve import admin, connections, errors, generate, metrics
 from rollout.serve.config import ServeConfig
 from rollout.serve.state import ServerState, state
 
@@ -26,6 +27,7 @@ def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        connections.quiet_accept_errors(asyncio.get_running_loop())
         loop.start()
         try:
             yield
@@ -74,6 +76,10 @@ def serve(engine: Any, config: ServeConfig, model_name: str, model_path: str | N
     sock.listen(2048)  # connections queue from now on, so the address printed is usable at once
     host, port = sock.getsockname()[:2]
     print(f"rollout server: serving {model_name} on http://{host}:{port} (engine on {engine.device})", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=config.server.log_level, timeout_keep_alive=30,
-                                           lifespan="on"))
+    c = config.server
+    cap, backlog = connections.connection_cap(c.max_connections)
+    protocol = connections.guarded_protocol(cap, c.header_timeout_s, c.body_timeout_s)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=c.log_level, timeout_keep_alive=c.keep_alive_s,
+                                           h11_max_incomplete_event_size=c.max_header_kib << 10, http=protocol,
+                                           backlog=backlog, lifespan="on"))
     server.run(sockets=[sock])

@@ -34,8 +34,9 @@ class ServerConfig:
     max_chars_per_token: int = 32  # a string prompt over max_model_len x this many characters is refused untokenized
     stream_buffer_tokens: int = 65536  # a stream whose reader falls this many tokens behind is aborted
     max_connections: int = 1024  # open connections beyond this are closed at once (capped by the open-file limit)
-    read_timeout_s: float = 30.0  # a request's headers and body must arrive within this (slowloris guard)
-    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
+    header_timeout_s: float = 10.0  # a request's head must arrive within this (slowloris guard)
+    body_timeout_s: float = 60.0  # and its body within this after the head
+    keep_alive_s: float = 30.0  # an idle keep-alive connection is closed after this
     max_header_kib: int = 16  # a larger request head is refused (h11's max incomplete event size)
 
     def __post_init__(self) -> None:
@@ -54,8 +55,8 @@ class ServerConfig:
             _fail("server.log_level", self.log_level, f"one of {list(LOG_LEVELS)}")
         for key in ("text_workers", "max_chars_per_token", "stream_buffer_tokens", "max_connections", "max_header_kib"):
             _int(f"server.{key}", getattr(self, key), lo=1)
-        _num("server.read_timeout_s", self.read_timeout_s, lo=0, lo_open=True)
-        _num("server.keep_alive_s", self.keep_alive_s, lo=0, lo_open=True)
+        for key in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+            _num(f"server.{key}", getattr(self, key), lo=0, lo_open=True)
 
 
 @dataclass(frozen=True, slots=True)
