@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from typing import Any
 
@@ -36,7 +37,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     st = state(request)
     st.check_model(req.model)
     params = to_sampling_params(req, st.defaults, st.max_n, max_tokens=req.max_completion_tokens)
-    st.check_chars(sum(_chars(m.content) for m in req.messages), "messages", "messages")
+    st.check_chars(sum(_chars(m.content) for m in req.messages) + len(json.dumps(req.tools or [])), "messages",
+                   "messages")
     ids = await st.prompt_ids([await st.text(_chat_prompt, st, req)], params)
     render = Render(st.engine.tokenizer, req.return_tokens_as_token_ids)
     if req.stream:

@@ -89,12 +89,17 @@ class _Choice:
     pending: str = ""  # decoded, not yet sent (held back: could still become a stop string)
 
 
+MAX_UNREAD = 8  # tokens held back waiting for a character to complete (UTF-8: at most 4 bytes) before giving up
+
+
 def _decode_new(tokenizer: Any, s: _Choice, ids: list[int]) -> str:
-    """The text ``ids`` add after what ``s`` decoded so far; "" while they end inside a character."""
+    """The text ``ids`` add after what ``s`` decoded so far; "" while they end inside a character (for at
+    most ``MAX_UNREAD`` tokens, so the window, and each step's decode, stays a few tokens long)."""
     s.window += ids
     prefix = tokenizer.decode(s.window[: s.read], skip_special_tokens=True)
     full = tokenizer.decode(s.window, skip_special_tokens=True)
-    if len(full) <= len(prefix) or full.endswith("\ufffd"):
+    waiting = len(full) <= len(prefix) or full.endswith("\ufffd")
+    if waiting and len(s.window) - s.read < MAX_UNREAD:
         return ""
     s.window = s.window[s.read :]
     s.read = len(s.window)
