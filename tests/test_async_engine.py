@@ -87,10 +87,13 @@ def test_streamed_partials_grow_to_the_final_output(hf, started):
                         on_partial=parts.append).result(TIMEOUT_S)
     assert parts and all(not p.finished for p in parts)
     sizes = [sum(len(c.token_ids) for c in p.outputs) for p in parts]
-    assert sizes == sorted(set(sizes)) and sizes[-1] < 24  # only steps that landed tokens, never the final one
-    for p in parts:
-        for c, f in zip(p.outputs, final.outputs):
-            assert f.token_ids[: len(c.token_ids)] == c.token_ids
+    assert all(sizes) and sum(sizes) < 24  # only steps that landed tokens, never the final one
+    for c, f in zip(parts[0].outputs, final.outputs):  # each part is a delta: the tokens of one step, no text
+        got = [c.index for p in parts for c in p.outputs if c.index == f.index]
+        ids = [t for p in parts for c in p.outputs if c.index == f.index for t in c.token_ids]
+        lps = [x for p in parts for c in p.outputs if c.index == f.index for x in c.logprobs]
+        assert got and f.token_ids[: len(ids)] == ids and f.logprobs[: len(lps)] == lps
+    assert all(c.text is None for p in parts for c in p.outputs)
 
 
 def test_abort_and_cancel_free_the_engine_and_it_serves_on(hf, started):

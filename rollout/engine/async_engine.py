@@ -4,9 +4,10 @@
 ``Engine.add_request`` / ``abort``, so a caller never waits for the engine's lock while a step runs. Each
 request gets a ``concurrent.futures.Future`` (asyncio callers await ``asyncio.wrap_future`` of it) that the
 thread resolves with the finished ``RequestOutput``; an ``on_partial`` callback (streaming) gets the
-request's output so far after every step that landed new tokens. Everything else that must happen at a
-step boundary (weight updates, pause, sleep, stats) runs in this thread through ``call``. The HTTP server
-and each pool replica run one, so a caller never blocks a step and a step never waits on a caller.
+tokens each step landed (a delta without text, so a step costs O(new tokens), not O(output)). Everything
+else that must happen at a step boundary (weight updates, pause, sleep, stats) runs in this thread through
+``call``. The HTTP server and each pool replica run one, so a caller never blocks a step and a step never
+waits on a caller.
 
 A step that raises is rolled back by the engine. The requests it held (``Engine.failed_request_ids``)
 fail with its error and are aborted, so a request that breaks every step it is in cannot wedge the loop;
@@ -42,7 +43,7 @@ class _Waiter:
     future: Future
     on_partial: Callable[[RequestOutput], None] | None = None
     num_seqs: int = 1  # params.n: what ``num_queued_seqs`` counts
-    sent_tokens: int = -1  # landed tokens last passed to ``on_partial`` (summed over the request's samples)
+    sent: list[int] = field(default_factory=list)  # tokens passed to ``on_partial`` so far, per sample index
 
 
 @dataclass(slots=True)
@@ -104,8 +105,8 @@ class AsyncEngine:
                on_partial: Callable[[RequestOutput], None] | None = None) -> Future:
         """Queue one request; its future gets the finished output, or the error that refused or failed it.
 
-        ``on_partial`` is called in the loop thread with the output so far after each step that landed
-        new tokens. Cancelling the future aborts the request.
+        ``on_partial`` is called in the loop thread after each step that landed new tokens with those tokens
+        only (per sample: ids, logprobs, policy versions; no text). Cancelling the future aborts the request.
         """
         rid = uuid.uuid4().hex if request_id is None else request_id
         fut: Future = Future()
@@ -115,7 +116,8 @@ class AsyncEngine:
             if rid in self._waiters:
                 raise ValueError(f"request_id {rid!r} is already in use")
             n = getattr(params, "n", 1)  # not validated yet: the engine refuses a bad one when it adds it
-            self._waiters[rid] = waiter = _Waiter(fut, on_partial, n if type(n) is int and n > 0 else 1)
+            n = n if type(n) is int and n > 0 else 1
+            self._waiters[rid] = waiter = _Waiter(fut, on_partial, n, [0] * n)
             self._num_seqs += waiter.num_seqs
             self._incoming.append((prompt, params, rid))
             self._cv.notify_all()
@@ -253,12 +255,10 @@ class AsyncEngine:
             if waiter is not None:
                 _resolve(waiter.future, out, None)
         for rid, waiter in streams:
-            part = self.engine.partial_output(rid)
-            if part is None:
-                continue
-            landed = sum(len(c.token_ids) for c in part.outputs)
-            if landed != waiter.sent_tokens:
-                waiter.sent_tokens = landed
+            part = self.engine.partial_output(rid, since=waiter.sent)
+            if part is not None and any(c.token_ids for c in part.outputs):
+                for c in part.outputs:
+                    waiter.sent[c.index] += len(c.token_ids)
                 try:
                     waiter.on_partial(part)  # type: ignore[misc]
                 except Exception:  # noqa: BLE001 - a listener's bug must not stop the loop

@@ -208,22 +208,25 @@ class Engine:
         else:
             self._unclaimed.append(out)
 
-    def partial_output(self, request_id: str) -> RequestOutput | None:
+    def partial_output(self, request_id: str, since: list[int] | None = None) -> RequestOutput | None:
         """A running request's tokens so far (``finished=False``), for streaming; None when unknown or done.
 
         Only tokens whose value has landed on the host are included (never an in-flight placeholder).
+        ``since`` (tokens already seen, per sample index) returns only the later ones and no text: a stream's
+        delta, O(new tokens) per step; its reader detokenizes incrementally.
         """
         with self._lock:
             request = self.scheduler.requests.get(request_id)
-            return None if request is None else self._output(request, finished=request.finished)
+            return None if request is None else self._output(request, finished=request.finished, since=since)
 
-    def _output(self, request: Request, finished: bool = True) -> RequestOutput:
+    def _output(self, request: Request, finished: bool = True, since: list[int] | None = None) -> RequestOutput:
         outs = []
         for seq in request.seqs:
-            known = seq.token_ids[seq.num_prompt_tokens : seq.num_known_tokens]
-            out = CompletionOutput(seq.index, known, list(seq.logprobs), seq.finish_reason,
-                                   None, list(seq.policy_versions), seq.stop_reason)
-            if self.tokenizer is not None:
+            skip = 0 if since is None else since[seq.index]
+            known = seq.token_ids[seq.num_prompt_tokens + skip : seq.num_known_tokens]
+            out = CompletionOutput(seq.index, known, seq.logprobs[skip:], seq.finish_reason,
+                                   None, seq.policy_versions[skip:], seq.stop_reason)
+            if self.tokenizer is not None and since is None:
                 out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
                 if isinstance(seq.stop_reason, str):
                     out.text = truncate_at_stop(out.text, seq.stop_reason)

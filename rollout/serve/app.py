@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from rollout.engine.async_engine import AsyncEngine
-from rollout.serve import admin, auth, errors, generate, metrics, templates
+from rollout.serve import admin, auth, connections, errors, generate, metrics, templates
 from rollout.serve.config import ServeConfig
 from rollout.serve.state import ServerState, state
 
@@ -23,11 +23,11 @@ def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str
     """The app; its lifespan starts the engine loop thread and stops it on shutdown."""
     loop = AsyncEngine(engine)
     st = ServerState(engine, loop, model_name, config.sampling, config.server.max_n or engine.config.max_num_seqs,
-                     model_path, config.server.max_prompts_per_request, config.server.max_queued_sequences,
-                     settings=config.server)
+                     model_path, settings=config.server)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        connections.quiet_accept_errors(asyncio.get_running_loop())
         loop.start()
         if config.server.allow_request_chat_template:
             await asyncio.to_thread(templates.warm)  # the fork server imports jinja once, now
@@ -36,6 +36,7 @@ def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str
         finally:
             loop.close()
             st.receiver.close()
+            st.text_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="rollout", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = st
@@ -85,6 +86,10 @@ def serve(engine: Any, config: ServeConfig, model_name: str, model_path: str | N
     if warning := auth.exposure_warning(config.server.host, auth.api_key(config.server.api_key)):
         print(warning, flush=True)
     print(f"rollout server: serving {model_name} on http://{host}:{port} (engine on {engine.device})", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=config.server.log_level, timeout_keep_alive=30,
-                                           lifespan="on"))
+    c = config.server
+    cap, backlog = connections.connection_cap(c.max_connections)
+    protocol = connections.guarded_protocol(cap, c.header_timeout_s, c.body_timeout_s)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=c.log_level, timeout_keep_alive=c.keep_alive_s,
+                                           h11_max_incomplete_event_size=c.max_header_kib << 10, http=protocol,
+                                           backlog=backlog, lifespan="on"))
     server.run(sockets=[sock])

@@ -15,6 +15,7 @@ from rollout.config import EngineConfig
 from rollout.serve.auth import check_sources
 from rollout.settings.checks import check_bool, check_num, check_opt_str
 from rollout.settings.checks import check_int as _int
+from rollout.settings.checks import check_num as _num
 from rollout.settings.checks import fail as _fail
 from rollout.settings.schema import ModelConfig, SamplingConfig, parse_section
 
@@ -40,6 +41,15 @@ class ServerConfig:
     # caps: one request cannot flood the engine (400 naming the cap; 429 with Retry-After while full)
     max_prompts_per_request: int = 1024
     max_queued_sequences: int = 16384  # waiting + running sequences (prompts x n) the engine holds at most
+    # Text work and connections: nothing a client sends can stall the event loop or hold resources unbounded.
+    text_workers: int = 2  # threads that tokenize, render chat templates and detokenize (never the event loop)
+    max_chars_per_token: int = 32  # a string prompt over max_model_len x this many characters is refused untokenized
+    stream_buffer_tokens: int = 65536  # a stream whose reader falls this many tokens behind is aborted
+    max_connections: int = 1024  # open connections beyond this are closed at once (capped by the open-file limit)
+    header_timeout_s: float = 10.0  # a request's head must arrive within this (slowloris guard)
+    body_timeout_s: float = 60.0  # and its body within this after the head
+    keep_alive_s: float = 30.0  # an idle keep-alive connection is closed after this
+    max_header_kib: int = 16  # a larger request head is refused (h11's max incomplete event size)
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -63,6 +73,10 @@ class ServerConfig:
         check_sources(self.weight_sources)
         _int("server.max_prompts_per_request", self.max_prompts_per_request, lo=1)
         _int("server.max_queued_sequences", self.max_queued_sequences, lo=1)
+        for key in ("text_workers", "max_chars_per_token", "stream_buffer_tokens", "max_connections", "max_header_kib"):
+            _int(f"server.{key}", getattr(self, key), lo=1)
+        for key in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+            _num(f"server.{key}", getattr(self, key), lo=0, lo_open=True)
 
 
 @dataclass(frozen=True, slots=True)

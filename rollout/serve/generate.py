@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
-from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -16,7 +15,7 @@ from rollout.serve.errors import APIError
 from rollout.serve.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
 from rollout.serve.responses import Render, chat_body, completion_body
 from rollout.serve.state import ServerState, state
-from rollout.serve.streaming import stream_events
+from rollout.serve.streaming import StreamFeed, stream_events
 
 router = APIRouter()
 
@@ -26,12 +25,12 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     st = state(request)
     st.check_model(req.model)
     params = to_sampling_params(req, st.defaults, st.max_n)
-    ids = st.prompt_ids(req.prompts(), params)
+    ids = await st.prompt_ids(req.prompts(), params)
     render = Render(st.engine.tokenizer, req.return_tokens_as_token_ids)
     if req.stream:
         return _stream(st, req, ids, params, render, chat=False)
     outs = await _generate(st, request, ids, params)
-    return JSONResponse(completion_body(req, outs, st.model_name, render))
+    return await st.text(lambda: JSONResponse(completion_body(req, outs, st.model_name, render)))
 
 
 @router.post("/v1/chat/completions")
@@ -39,12 +38,18 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     st = state(request)
     st.check_model(req.model)
     params = to_sampling_params(req, st.defaults, st.max_n, max_tokens=req.max_completion_tokens)
-    ids = st.prompt_ids([await _chat_prompt(st, req)], params)
+    st.check_chars(sum(_chars(m.content) for m in req.messages) + len(json.dumps(req.tools or [])), "messages",
+                   "messages")
+    ids = await st.prompt_ids([await _chat_prompt(st, req)], params)
     render = Render(st.engine.tokenizer, req.return_tokens_as_token_ids)
     if req.stream:
         return _stream(st, req, ids, params, render, chat=True)
     outs = await _generate(st, request, ids, params)
-    return JSONResponse(chat_body(req, outs[0], st.model_name, render))
+    return await st.text(lambda: JSONResponse(chat_body(req, outs[0], st.model_name, render)))
+
+
+def _chars(content: Any) -> int:
+    return len(content) if isinstance(content, str) else sum(len(p.text or "") for p in content or ())
 
 
 async def _chat_prompt(st: ServerState, req: ChatCompletionRequest) -> list[int]:
@@ -56,12 +61,12 @@ async def _chat_prompt(st: ServerState, req: ChatCompletionRequest) -> list[int]
         return await _request_template(st, req)
     if req.chat_template is None and getattr(tok, "chat_template", None) is None:
         raise APIError(400, "the tokenizer has no chat template; pass chat_template or use /v1/completions")
-    try:
-        encoded = tok.apply_chat_template(
+    try:  # the model's own template, in a text worker (never on the event loop)
+        encoded = await st.text(lambda: tok.apply_chat_template(
             [m.as_template_dict() for m in req.messages], tools=req.tools or None, chat_template=req.chat_template,
             add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
             continue_final_message=req.continue_final_message, tokenize=True, return_dict=True,
-            **(req.chat_template_kwargs or {}))
+            **(req.chat_template_kwargs or {})))
     except APIError:
         raise
     except Exception as e:  # noqa: BLE001 - a template error is the request's fault (bad roles, kwargs...)
@@ -84,9 +89,9 @@ async def _request_template(st: ServerState, req: ChatCompletionRequest) -> list
     return list(await asyncio.to_thread(lambda: tok(text, add_special_tokens=False)["input_ids"]))
 
 
-def _submit(st: ServerState, ids: list[list[int]], params: Any, stream: asyncio.Queue | None
+def _submit(st: ServerState, ids: list[list[int]], params: Any, stream: StreamFeed | None
             ) -> tuple[list[str], list[asyncio.Future]]:
-    """Queue every prompt; awaitable futures of their outputs, or (``stream``) their outputs fed to the queue."""
+    """Queue every prompt; awaitable futures of their outputs, or (``stream``) their outputs fed to it."""
     st.check_room(len(ids) * params.n)  # no await between this check and the submits: it holds
     aloop = asyncio.get_running_loop()
     rids, futs = [], []
@@ -96,8 +101,7 @@ def _submit(st: ServerState, ids: list[list[int]], params: Any, stream: asyncio.
             if stream is None:
                 futs.append(asyncio.wrap_future(st.loop.submit(prompt, params, rid), loop=aloop))
             else:
-                partial, final = _feed(aloop, stream, i)
-                st.loop.submit(prompt, params, rid, on_partial=partial).add_done_callback(final)
+                st.loop.submit(prompt, params, rid, on_partial=stream.partial(i)).add_done_callback(stream.final(i))
             rids.append(rid)
     except (TypeError, ValueError) as e:
         _abort(st, rids)
@@ -106,22 +110,6 @@ def _submit(st: ServerState, ids: list[list[int]], params: Any, stream: asyncio.
         _abort(st, rids)
         raise APIError(503, str(e)) from None
     return rids, futs
-
-
-def _feed(aloop: asyncio.AbstractEventLoop, queue: asyncio.Queue, tag: int
-          ) -> tuple[Callable[[Any], None], Callable[[Future], None]]:
-    """Callbacks (run in the engine thread) that put prompt ``tag``'s (tag, output or error, final) on ``queue``."""
-    def post(item: tuple[int, Any, bool]) -> None:
-        try:
-            aloop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: the server is shutting down
-            pass
-
-    def final(fut: Future) -> None:
-        if not fut.cancelled():  # cancelled: the client went away
-            post((tag, fut.exception() or fut.result(), True))
-
-    return lambda out: post((tag, out, False)), final
 
 
 def _abort(st: ServerState, rids: list[str]) -> None:
@@ -158,7 +146,8 @@ async def _disconnected(request: Request) -> None:
 
 def _stream(st: ServerState, req: Any, ids: list[list[int]], params: Any, render: Render, chat: bool
             ) -> StreamingResponse:
-    queue: asyncio.Queue = asyncio.Queue()
-    rids, _ = _submit(st, ids, params, queue)
-    events = stream_events(req, queue, len(ids), params.n, st.model_name, render, chat, lambda: _abort(st, rids))
+    feed = StreamFeed(asyncio.get_running_loop(), st.settings.stream_buffer_tokens)
+    rids, _ = _submit(st, ids, params, feed)
+    feed.on_overflow = lambda: _abort(st, rids)
+    events = stream_events(req, feed, len(ids), params.n, st.model_name, render, chat, feed.on_overflow, st.text)
     return StreamingResponse(events, media_type="text/event-stream")

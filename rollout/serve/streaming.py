@@ -1,10 +1,13 @@
 """Server-sent events for ``stream: true``: one chunk per choice whenever new tokens landed.
 
-Each chunk carries the new tokens' text, ``token_ids``, ``logprobs`` and ``policy_versions``; a choice's
-last chunk carries its ``finish_reason``. Text is sent as the difference between successive decodes of
-the tokens so far, holding back a trailing partial character (U+FFFD) and, when stop strings are set,
-the last few characters that could still turn into one, so the streamed text always equals the final
-text. A client that goes away aborts its requests.
+The engine thread hands each stream only the tokens a step landed (``StreamFeed``); a reader that falls
+more than ``server.stream_buffer_tokens`` behind has its requests aborted and gets a final error event,
+so a slow or stalled client holds a bounded amount of memory. Each chunk carries the new tokens' text,
+``token_ids``, ``logprobs`` and ``policy_versions``; a choice's last chunk carries its ``finish_reason``.
+Text is detokenized incrementally in the text workers (vLLM's prefix / read offsets: only a few tokens
+before the new ones are decoded again), holding back a trailing partial character and, when stop strings
+are set, the last few characters that could still turn into one, so the streamed text always equals the
+final text. A client that goes away aborts its requests.
 """
 
 from __future__ import annotations
@@ -12,92 +15,194 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.serve.responses import Render, chat_logprobs, completion_logprobs, new_id, usage
 
 
+class StreamFeed:
+    """Outputs for one stream, posted by the engine thread: at most ``max_tokens`` unread tokens, else the
+    stream is cut off (``on_overflow`` aborts its requests) rather than buffered without limit."""
+
+    def __init__(self, aloop: asyncio.AbstractEventLoop, max_tokens: int) -> None:
+        self.aloop, self.max_tokens = aloop, max_tokens
+        self.items: deque[tuple[int, Any, bool]] = deque()  # (prompt index, delta / final output / error, final)
+        self.unread = 0
+        self.overflowed = False
+        self.on_overflow: Callable[[], None] = lambda: None
+        self._ready = asyncio.Event()
+
+    def partial(self, tag: int) -> Callable[[Any], None]:
+        return lambda out: self._post((tag, out, False))
+
+    def final(self, tag: int) -> Callable[[Future], None]:
+        def done(fut: Future) -> None:
+            if not fut.cancelled():  # cancelled: the client went away
+                self._post((tag, fut.exception() or fut.result(), True))
+
+        return done
+
+    def _post(self, item: tuple[int, Any, bool]) -> None:
+        try:
+            self.aloop.call_soon_threadsafe(self._put, item)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
+
+    def _put(self, item: tuple[int, Any, bool]) -> None:
+        if self.overflowed:
+            return
+        tag, out, final = item
+        if not final:
+            self.unread += sum(len(c.token_ids) for c in out.outputs)
+            if self.unread > self.max_tokens:
+                self.overflowed = True
+                self.items.clear()
+                self.on_overflow()
+                self._ready.set()
+                return
+        self.items.append(item)
+        self._ready.set()
+
+    async def take(self) -> list[tuple[int, Any, bool]]:
+        """Everything posted since the last call (waits for at least one item, or the overflow)."""
+        while not self.items and not self.overflowed:
+            self._ready.clear()
+            await self._ready.wait()
+        items, self.items, self.unread = list(self.items), deque(), 0
+        return items
+
+
 @dataclass(slots=True)
-class _Sent:
+class _Choice:
+    """What one choice has sent, and the incremental detokenizer's window (ids from the prefix offset on)."""
+
     tokens: int = 0
     text: int = 0
     started: bool = False
     finished: bool = False
+    window: list[int] = field(default_factory=list)
+    read: int = 0  # window[:read] was decoded already (it is the context that makes the next piece right)
+    pending: str = ""  # decoded, not yet sent (held back: could still become a stop string)
+
+
+MAX_UNREAD = 8  # tokens held back waiting for a character to complete (UTF-8: at most 4 bytes) before giving up
+
+
+def _decode_new(tokenizer: Any, s: _Choice, ids: list[int]) -> str:
+    """The text ``ids`` add after what ``s`` decoded so far; "" while they end inside a character (for at
+    most ``MAX_UNREAD`` tokens, so the window, and each step's decode, stays a few tokens long)."""
+    s.window += ids
+    prefix = tokenizer.decode(s.window[: s.read], skip_special_tokens=True)
+    full = tokenizer.decode(s.window, skip_special_tokens=True)
+    waiting = len(full) <= len(prefix) or full.endswith("\ufffd")
+    if waiting and len(s.window) - s.read < MAX_UNREAD:
+        return ""
+    s.window = s.window[s.read :]
+    s.read = len(s.window)
+    return full[len(prefix) :]
 
 
 def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-def _safe_text(text: str, final: bool, hold: int) -> str:
-    if final:
-        return text
-    text = text.rstrip("\ufffd")
-    return text[: max(0, len(text) - hold)] if hold else text
+class _Chunks:
+    """Turns a stream's outputs into SSE chunks; runs in a text worker (one call at a time per stream)."""
 
+    def __init__(self, req: Any, num_prompts: int, n: int, model: str, render: Render, chat: bool) -> None:
+        self.req, self.n, self.model, self.render, self.chat = req, n, model, render, chat
+        self.id, self.created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
+        self.obj = "chat.completion.chunk" if chat else "text_completion"
+        stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.sent = [[_Choice() for _ in range(n)] for _ in range(num_prompts)]
+        self.finals: dict[int, Any] = {}
+        self.with_ids = req.return_token_ids is not False
+        self.want_lp = bool(req.logprobs) if chat else req.logprobs is not None
 
-async def stream_events(req: Any, queue: asyncio.Queue, num_prompts: int, n: int, model: str, render: Render,
-                        chat: bool, abort: Callable[[], None]) -> AsyncIterator[str]:
-    """Chunks until every choice finished, then usage (if asked) and ``[DONE]``."""
-    rid, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    hold = max((len(s) for s in ([req.stop] if isinstance(req.stop, str) else req.stop or [])), default=1) - 1
-    sent = [[_Sent() for _ in range(n)] for _ in range(num_prompts)]
-    finals: dict[int, Any] = {}
-    with_ids = req.return_token_ids is not False
-    want_lp = bool(req.logprobs) if chat else req.logprobs is not None
-    try:
-        while len(finals) < num_prompts:
-            tag, out, final = await queue.get()
-            if isinstance(out, BaseException):
-                yield _sse({"error": {"message": f"generation failed: {out}", "type": "server_error", "code": 500}})
-                return
+    def render_items(self, items: list[tuple[int, Any, bool]]) -> list[str]:
+        out = []
+        for tag, output, final in items:
             if final:
-                finals[tag] = out
-            choices = []
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                s = sent[tag][c.index]
-                if s.finished:
-                    continue
-                done = final or c.finish_reason is not None
-                text = _safe_text(c.text or "", done, hold)
-                ids, lps = c.token_ids[s.tokens :], c.logprobs[s.tokens :]
-                delta_text = text[s.text :] if len(text) > s.text else ""
-                if not ids and not delta_text and not done and s.started:
-                    continue
-                choice: dict[str, Any] = {"index": tag * n + c.index if not chat else c.index,
-                                          "finish_reason": c.finish_reason if done else None,
-                                          "stop_reason": c.stop_reason if done else None,
-                                          "policy_versions": list(c.policy_versions[s.tokens :])}
-                if chat:
-                    delta: dict[str, Any] = {"content": delta_text}
-                    if not s.started:
-                        delta["role"] = "assistant"
-                    choice["delta"] = delta
-                    choice["logprobs"] = chat_logprobs(render, ids, lps) if want_lp else None
-                else:
-                    choice["text"] = delta_text
-                    choice["logprobs"] = completion_logprobs(render, ids, lps, s.text) if want_lp else None
-                if with_ids:
-                    choice["token_ids"] = list(ids)
-                    if not s.started and not chat:
-                        choice["prompt_token_ids"] = list(out.prompt_token_ids)
-                s.tokens, s.text, s.finished = len(c.token_ids), max(s.text, len(text)), done
-                first = not s.started
-                s.started = True
-                chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-                if chat and first and with_ids and tag == 0 and c.index == 0:
-                    chunk["prompt_token_ids"] = list(out.prompt_token_ids)
-                choices.append(chunk)
-            for chunk in choices:
-                yield _sse(chunk)
+                self.finals[tag] = output
+            for c in sorted(output.outputs, key=lambda c: c.index):
+                chunk = self._chunk(tag, output, c, final)
+                if chunk is not None:
+                    out.append(_sse(chunk))
+        return out
+
+    def _chunk(self, tag: int, output: Any, c: Any, final: bool) -> dict[str, Any] | None:
+        s = self.sent[tag][c.index]
+        if s.finished:
+            return None
+        skip = s.tokens if final else 0  # a final output is whole; a partial one holds only the new tokens
+        ids, lps, versions = c.token_ids[skip:], c.logprobs[skip:], c.policy_versions[skip:]
+        tok = self.render.tokenizer
+        if final:
+            text = (c.text or "")[s.text :]
+        else:
+            s.pending += _decode_new(tok, s, ids) if tok is not None and ids else ""
+            text = s.pending[: max(0, len(s.pending) - self.hold)]
+            s.pending = s.pending[len(text) :]
+        if not ids and not text and not final and s.started:
+            return None
+        choice: dict[str, Any] = {"index": c.index if self.chat else tag * self.n + c.index,
+                                  "finish_reason": c.finish_reason if final else None,
+                                  "stop_reason": c.stop_reason if final else None,
+                                  "policy_versions": list(versions)}
+        if self.chat:
+            choice["delta"] = {"content": text} if s.started else {"content": text, "role": "assistant"}
+            choice["logprobs"] = chat_logprobs(self.render, ids, lps) if self.want_lp else None
+        else:
+            choice["text"] = text
+            choice["logprobs"] = completion_logprobs(self.render, ids, lps, s.text) if self.want_lp else None
+        chunk = {"id": self.id, "object": self.obj, "created": self.created, "model": self.model,
+                 "choices": [choice]}
+        if self.with_ids:
+            choice["token_ids"] = list(ids)
+            if not s.started and not self.chat:
+                choice["prompt_token_ids"] = list(output.prompt_token_ids)
+            if not s.started and self.chat and tag == 0 and c.index == 0:
+                chunk["prompt_token_ids"] = list(output.prompt_token_ids)
+        s.tokens, s.text, s.finished, s.started = s.tokens + len(ids), s.text + len(text), final, True
+        return chunk
+
+    def usage_chunk(self) -> str:
+        outs = [self.finals[i] for i in range(len(self.sent))]
+        return _sse({"id": self.id, "object": self.obj, "created": self.created, "model": self.model,
+                     "choices": [], "usage": usage(outs)})
+
+
+def _error(message: str, code: str | int) -> str:
+    return _sse({"error": {"message": message, "type": "server_error", "param": None, "code": code}})
+
+
+async def stream_events(req: Any, feed: StreamFeed, num_prompts: int, n: int, model: str, render: Render,
+                        chat: bool, abort: Callable[[], None],
+                        text: Callable[..., Awaitable[Any]]) -> AsyncIterator[str]:
+    """Chunks until every choice finished, then usage (if asked) and ``[DONE]``; ``text`` runs a function
+    in a text worker."""
+    chunks = _Chunks(req, num_prompts, n, model, render, chat)
+    try:
+        while len(chunks.finals) < num_prompts:
+            items = await feed.take()
+            if feed.overflowed:
+                yield _error(f"stream aborted: the client read too slowly (more than {feed.max_tokens} tokens "
+                             "unread; server.stream_buffer_tokens)", "slow_reader")
+                return
+            failed = next((out for _, out, _ in items if isinstance(out, BaseException)), None)
+            if failed is not None:
+                yield _error(f"generation failed: {failed}", 500)
+                return
+            for event in await text(chunks.render_items, items):
+                yield event
         if req.stream_options is not None and req.stream_options.include_usage:
-            outs = [finals[i] for i in range(num_prompts)]
-            yield _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                        "usage": usage(outs)})
+            yield chunks.usage_chunk()
         yield "data: [DONE]\n\n"
     finally:
-        if len(finals) < num_prompts:
+        if len(chunks.finals) < num_prompts:
             abort()
