@@ -29,7 +29,7 @@ def _long(max_tokens: int = 200) -> SamplingParams:
 
 def _kill(loop: AsyncEngine) -> None:
     """Break the loop thread outside a step (a bug in its own bookkeeping) while a stream runs."""
-    def boom(request_id):
+    def boom(request_id, since=None):
         raise AssertionError("injected loop bug")
 
     loop.engine.partial_output = boom
