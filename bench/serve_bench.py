@@ -13,6 +13,9 @@
    one push while 32 requests run, paused in ``keep`` mode and resumed under the new version (their
    per-token versions are checked), then timed pause + push + resume cycles. Bar: <= 0.15 s end to end.
 
+``--one-gpu`` (one H200): (1) and (2) on GPU 0 one after the other, plus (2) streamed (SSE, every token as
+a delta), no trainer.
+
 Processes use explicit device indices, not CUDA_VISIBLE_DEVICES, so NCCL sees both GPUs (P2P over NVLink).
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends are set for every child).
 """
@@ -166,7 +169,7 @@ def _result(proc: subprocess.Popen, timeout: float) -> dict:
 
 
 def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    proc = _child("server", 1, "--max-num-seqs", str(args.max_num_seqs))
+    proc = _child("server", args.engine_gpu, "--max-num-seqs", str(args.max_num_seqs))
     deadline = time.monotonic() + 400
     for line in proc.stdout:  # type: ignore[union-attr]
         print("  server: " + line.rstrip(), flush=True)
@@ -180,11 +183,37 @@ def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the server did not start")
 
 
+def _stream_all(url: str, model: str, prompts: list, p) -> int:
+    """Every prompt as one streamed completion (SSE), all at once; the token-id deltas received."""
+    import http.client
+    from concurrent.futures import ThreadPoolExecutor
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+
+    def one(prompt) -> int:
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+        body = {"model": model, "prompt": list(prompt), "max_tokens": p.max_tokens, "temperature": p.temperature,
+                "ignore_eos": True, "stream": True, "return_token_ids": True, "seed": p.seed}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp, got = conn.getresponse(), 0
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                got += sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
+        conn.close()
+        return got
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return sum(pool.map(one, prompts))
+
+
 def drive(args: argparse.Namespace) -> None:
     b = _bench()
     w = b.WORKLOADS[WORKLOAD]
     records = []
-    inproc = _result(_child("inproc", 1, "--max-num-seqs", str(args.max_num_seqs)), 600)
+    inproc = _result(_child("inproc", args.engine_gpu, "--max-num-seqs", str(args.max_num_seqs)), 600)
     records.append(inproc)
     print(json.dumps(inproc), flush=True)
     server, url = _start_server(args)
@@ -205,6 +234,16 @@ def drive(args: argparse.Namespace) -> None:
                     meets_bar=tokens / wall >= 0.9 * inproc["tok_s"], commit=inproc.get("commit"))
         records.append(http)
         print(json.dumps(http), flush=True)
+        t0 = time.perf_counter()
+        streamed = _stream_all(url, client.model, prompts, params[0] if isinstance(params, list) else params)
+        wall = time.perf_counter() - t0
+        stream = dict(workload=WORKLOAD, role="http_stream", requests=len(prompts), wall_s=round(wall, 3),
+                      streamed_tokens=streamed, tok_s=round(streamed / wall, 1), inproc_tok_s=inproc["tok_s"],
+                      ratio=round(streamed / wall / inproc["tok_s"], 4), commit=inproc.get("commit"))
+        records.append(stream)
+        print(json.dumps(stream), flush=True)
+        if args.one_gpu:  # no second GPU for a trainer: the NCCL push bar needs nvidia-h200-x2
+            return
         trainer = _result(_child("trainer", 0, "--url", url, "--repeats", str(args.repeats)), 600)
         records.append(trainer)
         print(json.dumps(trainer), flush=True)
@@ -228,7 +267,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--out", default=None)
+    p.add_argument("--one-gpu", action="store_true",
+                   help="engine and server on GPU 0, no trainer (the NCCL push needs a second GPU)")
     args = p.parse_args()
+    args.engine_gpu = 0 if args.one_gpu else 1
     os.environ.update(SAFE_ENV)
     {"drive": drive, "inproc": role_inproc, "server": role_server, "trainer": role_trainer}[args.role](args)
 
