@@ -62,7 +62,8 @@ def role_inproc(args: argparse.Namespace) -> None:
     b = _bench()
     w = b.WORKLOADS[WORKLOAD]
     hf = b.build_hf(w["preset"])
-    ns = argparse.Namespace(max_num_seqs=args.max_num_seqs)
+    ns = argparse.Namespace(max_num_seqs=args.max_num_seqs, sampling=None, kv_cache_dtype="auto", weight_push=False,
+                            logprob_check=0, push_mid_run=False)
     rec = b.run_ours(WORKLOAD, w, hf, "async", b.copy_bandwidth_tbps(), ns)
     print("RESULT " + json.dumps({**rec, "role": "inproc"}), flush=True)
 
@@ -242,11 +243,10 @@ def drive(args: argparse.Namespace) -> None:
                       ratio=round(streamed / wall / inproc["tok_s"], 4), commit=inproc.get("commit"))
         records.append(stream)
         print(json.dumps(stream), flush=True)
-        if args.one_gpu:  # no second GPU for a trainer: the NCCL push bar needs nvidia-h200-x2
-            return
-        trainer = _result(_child("trainer", 0, "--url", url, "--repeats", str(args.repeats)), 600)
-        records.append(trainer)
-        print(json.dumps(trainer), flush=True)
+        if not args.one_gpu:  # the trainer needs a second GPU (NCCL push; nvidia-h200-x2)
+            trainer = _result(_child("trainer", 0, "--url", url, "--repeats", str(args.repeats)), 600)
+            records.append(trainer)
+            print(json.dumps(trainer), flush=True)
     finally:
         server.terminate()
         try:
