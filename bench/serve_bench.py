@@ -47,6 +47,13 @@ def _bench():
     return module
 
 
+def _workload(args: argparse.Namespace, b) -> dict:
+    """W1-short, or (``--stream-cost``) 256 prompts of 128 tokens streaming ``--stream-tokens`` each (qwen2.5-1.5b)."""
+    if args.stream_cost:
+        return dict(preset="qwen2.5-1.5b", prompts=256, prompt_len=128, new=args.stream_tokens)
+    return b.WORKLOADS[WORKLOAD]
+
+
 def _engine_options(w: dict, max_num_seqs: int) -> dict:
     """What run_ours builds its engine with, so the server's engine is the same."""
     max_len = w["prompt_len"] + w["new"] + 16
@@ -78,7 +85,7 @@ def role_server(args: argparse.Namespace) -> None:
 
     torch.cuda.set_device(args.device)
     b = _bench()
-    w = b.WORKLOADS[WORKLOAD]
+    w = _workload(args, b)
     hf = b.build_hf(w["preset"])
     engine = Engine.from_pretrained(hf, **_engine_options(w, args.max_num_seqs))
     del hf
@@ -155,8 +162,10 @@ def _metric(client, name: str) -> float | None:
 
 
 # ---- the driver ----------------------------------------------------------------------------------------------
-def _child(role: str, device: int, *extra: str) -> subprocess.Popen:
+def _child(role: str, device: int, *extra: str, args: argparse.Namespace | None = None) -> subprocess.Popen:
     env = dict(os.environ, **SAFE_ENV, PYTHONUNBUFFERED="1")
+    if args is not None and args.stream_cost:
+        extra = (*extra, "--stream-cost", "--stream-tokens", str(args.stream_tokens))
     return subprocess.Popen([sys.executable, __file__, role, "--device", str(device), *extra], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -170,7 +179,7 @@ def _result(proc: subprocess.Popen, timeout: float) -> dict:
 
 
 def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    proc = _child("server", args.engine_gpu, "--max-num-seqs", str(args.max_num_seqs))
+    proc = _child("server", args.engine_gpu, "--max-num-seqs", str(args.max_num_seqs), args=args)
     deadline = time.monotonic() + 400
     for line in proc.stdout:  # type: ignore[union-attr]
         print("  server: " + line.rstrip(), flush=True)
@@ -210,7 +219,59 @@ def _stream_all(url: str, model: str, prompts: list, p) -> int:
         return sum(pool.map(one, prompts))
 
 
+def _steps(url: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("rollout_engine_steps_total "):
+                return float(line.split()[1])
+    raise RuntimeError("no rollout_engine_steps_total in /metrics")
+
+
+def stream_cost(args: argparse.Namespace) -> None:
+    """What streaming costs the engine: the same 256 sequences plain and streamed (SSE deltas), wall per engine
+    step in each. Bar: streamed <= 1.02x plain."""
+    from rollout import SamplingParams
+    from trainer_hooks.client import RolloutClient
+
+    b = _bench()
+    w = _workload(args, b)
+    server, url = _start_server(args)
+    records = []
+    try:
+        client = RolloutClient(url, max_concurrency=w["prompts"])
+        prompts, _ = b.make_prompts(w, b.PRESETS[w["preset"]][1]["vocab_size"])
+        p = SamplingParams(temperature=0, max_tokens=w["new"], ignore_eos=True)
+        client.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        runs = {}
+        for mode in ("plain", "stream"):
+            s0, t0 = _steps(url), time.perf_counter()
+            tokens = (sum(len(c.token_ids) for o in client.generate(prompts, p) for c in o.outputs)
+                      if mode == "plain" else _stream_all(url, client.model, prompts, p))
+            wall, steps = time.perf_counter() - t0, _steps(url) - s0
+            runs[mode] = dict(wall_s=round(wall, 3), tokens=tokens, steps=int(steps),
+                              step_ms=round(wall / max(steps, 1) * 1e3, 4), tok_s=round(tokens / wall, 1))
+        cost = runs["stream"]["step_ms"] / runs["plain"]["step_ms"] - 1
+        rec = dict(workload="stream_cost", preset=w["preset"], sequences=w["prompts"], new_tokens=w["new"], **{
+            f"{m}_{k}": v for m, r in runs.items() for k, v in r.items()}, cost=round(cost, 4), bar=0.02,
+            meets_bar=cost < 0.02, commit=os.environ.get("COMMIT"))
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    if args.out:
+        with open(args.out, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+
+
 def drive(args: argparse.Namespace) -> None:
+    if args.stream_cost:
+        return stream_cost(args)
     b = _bench()
     w = b.WORKLOADS[WORKLOAD]
     records = []
@@ -267,10 +328,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--out", default=None)
+    p.add_argument("--stream-cost", action="store_true",
+                   help="one GPU: 256 sequences plain vs streamed, engine wall per step (bar: < 2%% more)")
+    p.add_argument("--stream-tokens", type=int, default=16384, help="new tokens per sequence in --stream-cost")
     p.add_argument("--one-gpu", action="store_true",
                    help="engine and server on GPU 0, no trainer (the NCCL push needs a second GPU)")
     args = p.parse_args()
-    args.engine_gpu = 0 if args.one_gpu else 1
+    args.engine_gpu = 0 if args.one_gpu or args.stream_cost else 1
     os.environ.update(SAFE_ENV)
     {"drive": drive, "inproc": role_inproc, "server": role_server, "trainer": role_trainer}[args.role](args)
 
