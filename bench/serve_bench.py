@@ -219,6 +219,18 @@ def _stream_all(url: str, model: str, prompts: list, p) -> int:
         return sum(pool.map(one, prompts))
 
 
+def _stop(server: subprocess.Popen, records: list[dict], out: str | None) -> None:
+    """Stop the server child, then append the records to ``out``."""
+    server.terminate()
+    try:
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+    if out:
+        with open(out, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+
+
 def _steps(url: str) -> float:
     import urllib.request
 
@@ -259,14 +271,7 @@ def stream_cost(args: argparse.Namespace) -> None:
         records.append(rec)
         print(json.dumps(rec), flush=True)
     finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-    if args.out:
-        with open(args.out, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
+        _stop(server, records, args.out)
 
 
 def drive(args: argparse.Namespace) -> None:
@@ -309,15 +314,7 @@ def drive(args: argparse.Namespace) -> None:
             records.append(trainer)
             print(json.dumps(trainer), flush=True)
     finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-    if args.out:
-        with open(args.out, "a") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
+        _stop(server, records, args.out)
 
 
 def main() -> None:
