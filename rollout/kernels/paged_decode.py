@@ -31,11 +31,16 @@ import triton.language as tl
 
 from rollout.kernels.paged_common import (  # noqa: F401 - re-exported for callers of the old home
     LOG2E,
+    KVPair,
     check_paged_inputs,
     check_window,
     dot_precision,
     is_fp8,
-    scale_args,
+    kv_args,
+    kv_shape,
+    load_v_tile,
+    scale_offsets,
+    to_dot16,
 )
 
 # Resident decode programs per SM on the H200 (bf16, head_dim 128, 4 warps, 2 stages), as inferred
@@ -58,17 +63,62 @@ def _tile_range(seq_len, window, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr
 
 
 @triton.jit
+def _decode_tile(
+    q, m_i, l_i, acc, t, bt_row, seq_len, start, kvh, qk_scale, k_ptr, v_ptr, ks_ptr, vs_ptr,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_sb, stride_ss, stride_sh, offs_n, offs_d,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, V_TRANS: tl.constexpr,
+    SCALE_CONTIG: tl.constexpr, DOT_PREC: tl.constexpr, TAIL: tl.constexpr,
+):  # fmt: skip
+    """One key tile of online softmax for the [G, D] queries of one kv head: (m_i, l_i, acc) updated.
+    fp8: K and V widen in registers where the dots consume them; the per-token scales scale the score
+    columns (K) and P's columns (V)."""
+    pos = t * BLOCK_N + offs_n
+    ok = (pos < seq_len) & (pos >= start)
+    blk = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
+    slot = pos % PAGE
+    off = blk * stride_kb + slot * stride_ks + kvh * stride_kh
+    k = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if KV_FP8:  # per-key scale: scaling the score columns is the same as scaling K's rows
+        s_off = scale_offsets(blk, slot, kvh, stride_sb, stride_ss, stride_sh, PAGE, SCALE_CONTIG)
+        k_sc = tl.load(ks_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
+        v_sc = tl.load(vs_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
+        s = s * (k_sc * qk_scale)[None, :]
+    else:
+        s = s * qk_scale  # log2 domain
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = load_v_tile(v_ptr, blk, slot, kvh, ok, offs_d, stride_vb, stride_vs, stride_vh, stride_vd, PAGE,
+                    V_TRANS, TAIL).to(q.dtype)  # fmt: skip
+    if V_TRANS:
+        v = tl.trans(v)
+    if KV_FP8:  # per-value scale on P's columns, relative to the tile's largest (fp16 keeps its range)
+        v_top = tl.maximum(tl.max(v_sc, 0), 1.0e-30)
+        pv = (p * (v_sc * (1.0 / v_top))[None, :]).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC) * v_top
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, seq_info_ptr,
     qk_scale, window, batch, split_target, min_chunk,
     stride_qt, stride_qh,
-    stride_cb, stride_cs, stride_ch,
-    stride_sb, stride_ss,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_sb, stride_ss, stride_sh,
     stride_bt,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, FIXED_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
-    DOT_PREC: tl.constexpr, SCAN_N: tl.constexpr,
+    V_TRANS: tl.constexpr, SCALE_CONTIG: tl.constexpr, DOT16: tl.constexpr, DOT_PREC: tl.constexpr,
+    SCAN_N: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -122,36 +172,26 @@ def _decode_split_kernel(
     q = tl.load(
         q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=g_ok[:, None], other=0.0
     )
+    q = to_dot16(q, DOT16)  # fp8 K/V: the products run in fp16 (one conversion instruction per 2 values)
     m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile cannot make NaNs
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    for t in range(t0, t1):
-        pos = t * BLOCK_N + offs_n
-        ok = (pos < seq_len) & (pos >= start)
-        blk = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
-        off = blk * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch
-        k = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        if KV_FP8:  # per-key scale: scaling the score columns is the same as scaling K's rows
-            s_off = blk * stride_sb + (pos % PAGE) * stride_ss + kvh
-            k_sc = tl.load(ks_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
-            s = s * (k_sc * qk_scale)[None, :]
-        else:
-            s = s * qk_scale  # log2 domain
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-        if KV_FP8:
-            v_sc = tl.load(vs_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
-            pv = (p * v_sc[None, :]).to(q.dtype)
-        else:
-            pv = p.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
-        m_i = m_new
+    full = tl.minimum(t1, tl.maximum(seq_len // BLOCK_N, t0))  # tiles [t0, full) end within the sequence
+    for t in range(t0, full):
+        m_i, l_i, acc = _decode_tile(
+            q, m_i, l_i, acc, t, bt_row, seq_len, start, kvh, qk_scale, k_ptr, v_ptr, ks_ptr, vs_ptr,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
+            stride_sb, stride_ss, stride_sh, offs_n, offs_d,
+            PAGE, BLOCK_N, KV_FP8, V_TRANS, SCALE_CONTIG, DOT_PREC, False,
+        )  # fmt: skip
+    for t in range(full, t1):  # at most one: the tile holding the sequence's end
+        m_i, l_i, acc = _decode_tile(
+            q, m_i, l_i, acc, t, bt_row, seq_len, start, kvh, qk_scale, k_ptr, v_ptr, ks_ptr, vs_ptr,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
+            stride_sb, stride_ss, stride_sh, offs_n, offs_d,
+            PAGE, BLOCK_N, KV_FP8, V_TRANS, SCALE_CONTIG, DOT_PREC, True,
+        )  # fmt: skip
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -235,7 +275,7 @@ def decode_config(page: int, head_dim: int, kv_dtype: torch.dtype) -> tuple[int,
 
 def paged_decode_attention(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: torch.Tensor | KVPair,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
@@ -248,15 +288,16 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Attention of one new token per sequence (q: [B, Hq, D]) over its ``seq_lens[i]`` cached tokens.
 
-    The new token's K/V must already be in the cache. A sequence with ``seq_len == 0`` (CUDA-graph
-    padding) gets zeros. ``kv_scales`` goes with an fp8 cache. ``num_splits`` forces every sequence
+    ``kv_cache``: [2, num_blocks, block_size, Hkv, D], or an fp8 ``KVPair`` of value views (V
+    token-contiguous) with its ``kv_scales``. The new token's K/V must already be in the cache. A
+    sequence with ``seq_len == 0`` (CUDA-graph padding) gets zeros. ``num_splits`` forces every sequence
     into that many chunks (the old scheme; A/B and tests); ``split_target``/``min_chunk`` tune the
     balanced partition. Returns ``out`` ([B, Hq, D], q's dtype).
     """
     check_paged_inputs(q, kv_cache, block_tables, kv_scales)
     window = check_window(sliding_window)
     batch, hq, d = q.shape
-    _, _, page, hkv, _ = kv_cache.shape
+    page, hkv, _ = kv_shape(kv_cache)
     if seq_lens.shape != (batch,) or block_tables.shape[0] != batch:
         raise ValueError(
             f"decode needs one query per sequence: q has {batch} rows, seq_lens {tuple(seq_lens.shape)}, "
@@ -274,22 +315,21 @@ def paged_decode_attention(
     if split_target < 1 or min_chunk < 1:
         raise ValueError(f"split_target and min_chunk must be >= 1; got {split_target}, {min_chunk}")
     group = hq // hkv
-    block_n, warps, stages = decode_config(page, d, kv_cache.dtype)
+    ptrs, strides, consts = kv_args(kv_cache, kv_scales, q)
+    block_n, warps, stages = decode_config(page, d, ptrs[0].dtype)
     programs = batch * num_splits if num_splits else batch + split_target
     part_o = torch.empty((programs, hq, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((programs, hq), dtype=torch.float32, device=q.device)
     seq_info = torch.empty((batch, 2), dtype=torch.int32, device=q.device)
     _decode_split_kernel[(programs, hkv)](
-        q, kv_cache[0], kv_cache[1], *scale_args(kv_cache, kv_scales)[:2], block_tables, seq_lens, out,
-        part_o, part_lse, seq_info,
+        q, *ptrs, block_tables, seq_lens, out, part_o, part_lse, seq_info,
         scale * LOG2E, window, batch, split_target, min_chunk,
         q.stride(0), q.stride(1),
-        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        *scale_args(kv_cache, kv_scales)[2:],
+        *strides,
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, PAGE=page,
-        BLOCK_N=block_n, FIXED_SPLITS=num_splits or 0, USE_WINDOW=window > 0, KV_FP8=is_fp8(kv_cache.dtype),
+        BLOCK_N=block_n, FIXED_SPLITS=num_splits or 0, USE_WINDOW=window > 0, **consts,
         DOT_PREC=dot_precision(q), SCAN_N=SCAN, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if num_splits != 1:
