@@ -15,14 +15,13 @@ one memory pool (graphs never run concurrently, so two slots cost about one).
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 
 import torch
 
 from rollout.engine.plan import BatchPlan, SampleResult
 from rollout.engine.runners.base import copy_blocks, forward_and_sample, make_metadata, make_sampling
-from rollout.engine.runners.graphs import graph_sizes
+from rollout.engine.runners.graphs import graph_sizes, padded_size
 from rollout.engine.runners.inputs import HostInputs, build_host_inputs
 from rollout.engine.runners.io_slot import IOSlot, SlotShape
 from rollout.engine.runners.kv_cache import KVCache
@@ -144,8 +143,7 @@ class CudaRunner:
         """Padded batch size of a captured decode graph, or 0 for an eager step."""
         if not (self.cuda_graphs and h.decode_only) or any(len(s) > self.shape.max_suppress for s in h.suppress):
             return 0
-        i = bisect.bisect_left(self.graph_sizes, len(h.input_ids))
-        return self.graph_sizes[i] if i < len(self.graph_sizes) else 0
+        return padded_size(self.graph_sizes, len(h.input_ids))
 
     def _fill(self, slot: IOSlot, h: HostInputs, graph_b: int, copies: list[tuple[int, int]]) -> list[int]:
         """Write the step's inputs into the slot's pinned buffers; returns each sample's output row."""
