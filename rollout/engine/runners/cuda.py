@@ -33,6 +33,7 @@ class StepRecord:
     batch: int
     kv_tokens: int
     compute_ms: float
+    graph_b: int = 0  # padded size of the replayed decode graph; 0 = eager
 
 
 @dataclass(slots=True)
@@ -53,6 +54,7 @@ class CudaPendingStep:
     decode: bool
     batch: int
     clock: StepClock
+    graph_b: int = 0
 
     def result(self) -> SampleResult:
         slot = self.slot
@@ -61,7 +63,8 @@ class CudaPendingStep:
         ms = slot.compute_start.elapsed_time(slot.compute_end)
         self.clock.total_ms += ms
         if self.clock.record_steps:
-            self.clock.records.append(StepRecord(self.decode, self.batch, self.plan.num_context_tokens, ms))
+            rec = StepRecord(self.decode, self.batch, self.plan.num_context_tokens, ms, self.graph_b)
+            self.clock.records.append(rec)
         return SampleResult(self.plan.step_id, [toks[r] for r in self.rows], [lps[r] for r in self.rows])
 
 
@@ -129,7 +132,7 @@ class CudaRunner:
             slot.d2h_done.record(self.d2h)
         slot.used = True
         self._last_rows = dict(zip(h.sample_seq_ids, rows))
-        return CudaPendingStep(plan, slot, rows, decode, b, self.clock)
+        return CudaPendingStep(plan, slot, rows, decode, b, self.clock, graph_b)
 
     @property
     def compute_seconds(self) -> float | None:
