@@ -82,7 +82,9 @@ def graph_ms(calls: list) -> float:
     return do_bench(graph.replay, warmup=25, rep=100, return_mode="median") / len(calls)
 
 
-DECODE_CONFIGS = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 3), (64, 8, 3)]
+# (BLOCK_N, num_warps, num_stages[, maxnreg]); fp8's default is (128, 4, 2, 168)
+DECODE_CONFIGS = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 2, 168), (128, 8, 2), (32, 4, 3), (64, 8, 3),
+                  (256, 8, 2)]
 
 
 def decode_variants(args, batch: int, hkv: int, max_tiles: int) -> list[dict]:
@@ -115,7 +117,8 @@ def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: to
         cache, tables, seq_lens, scales = make_cache(batch, ctx, hkv, d, args.page, dtype, seed=i, lens=lens, kv=kv)
         q = torch.randn(batch, hq, d, device="cuda", dtype=dtype)
         inputs.append((q, cache, tables, seq_lens, torch.empty_like(q), scales))
-    max_tiles = -(-inputs[0][2].shape[1] * args.page // pd.decode_config(args.page, d, inputs[0][1].dtype)[0])
+    kv_dtype = inputs[0][1][0].dtype  # the K half's: a [2, ...] cache or fp8's KVPair
+    max_tiles = -(-inputs[0][2].shape[1] * args.page // pd.decode_config(args.page, d, kv_dtype)[0])
     default_config = pd.decode_config
     recs = []
     for var in decode_variants(args, batch, hkv, max_tiles):
@@ -136,7 +139,7 @@ def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: to
             "bench": "decode", "preset": args.preset, "dtype": str(dtype).removeprefix("torch."), "kv": kv,
             "lengths": args.lengths, "B": batch, "ctx": ctx, "mean_ctx": round(sum(lens) / batch),
             **{k: v for k, v in var.items() if k != "config"}, "config": var.get("config", default_config(
-                args.page, d, inputs[0][1].dtype)), "ms": round(ms, 4),
+                args.page, d, kv_dtype)), "ms": round(ms, 4),
             "kv_gib": round(kv_bytes / 2**30, 3), "gbps": round(kv_bytes / ms / 1e6, 1), "graph_copies": copies,
         }  # fmt: skip
         print(json.dumps(rec), flush=True)

@@ -159,27 +159,40 @@ def to_dot16(x, DOT16: tl.constexpr):
 
 
 @triton.jit
-def load_v_tile(v_ptr, blk, slot, kvh, ok, offs_d, stride_vb, stride_vs, stride_vh, stride_vd,
+def load_v_tile(v_ptr, blk, slot, pos, seq_len, kvh, ok, offs_d, stride_vb, stride_vs, stride_vh, stride_vd,
                 PAGE: tl.constexpr, V_TRANS: tl.constexpr, TAIL: tl.constexpr):  # fmt: skip
     """A key tile's V as [BLOCK_N, D], or as [D, BLOCK_N] for token-contiguous V (fp8); the caller
     converts it, then transposes it into the dot's operand (in that order, so that Triton pipelines
     the load into shared memory as it does K's): the tensor core then reads V contiguous along its
     contraction axis (tokens), like K along D.
 
-    Token-contiguous V is loaded unmasked in tiles that end at or before the sequence's end (every
-    byte there is a written, finite value; P is 0 wherever ``ok`` is not): one 16-byte asynchronous
-    copy per (dim, page). Only the ``TAIL`` tile masks per token (byte loads, once per chunk), since
-    slots past the end are stale, maybe NaN, and 0 * NaN is not 0."""
+    Token-contiguous V is masked per page, never per token: one mask bit per 16-byte vector (one
+    dim of a page) keeps it one asynchronous copy (a per-token mask made it 16 byte loads). Tiles
+    that end at or before ``seq_len`` load unmasked (every byte there was written, finite; P is 0
+    wherever ``ok`` is not); the ``TAIL`` tile, which holds the sequence's end, skips the pages past
+    it, and the caller zeroes its stale slots past ``seq_len`` (maybe NaN bytes: 0 * NaN is not 0)."""
     off = blk * stride_vb + slot * stride_vs + kvh * stride_vh
     if V_TRANS:
         off = tl.max_contiguous(tl.multiple_of(off, PAGE), PAGE)  # a page's tokens are consecutive bytes
         ptrs = v_ptr + off[None, :] + offs_d[:, None] * stride_vd
         if TAIL:
-            v = tl.load(ptrs, mask=ok[None, :], other=0.0)
+            page_ok = (pos // PAGE) * PAGE < seq_len
+            v = tl.load(ptrs, mask=page_ok[None, :], other=0.0)
         else:
             v = tl.load(ptrs)
     else:
         v = tl.load(v_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+    return v
+
+
+@triton.jit
+def v_operand(v, ok, V_TRANS: tl.constexpr, TAIL: tl.constexpr):
+    """A converted ``load_v_tile`` as the PV dot's [BLOCK_N, D] operand: the tail tile's stale slots
+    zeroed, token-contiguous V transposed."""
+    if V_TRANS:
+        if TAIL:
+            v = tl.where(ok[None, :], v, 0.0)
+        v = tl.trans(v)
     return v
 
 

@@ -41,6 +41,7 @@ from rollout.kernels.paged_common import (  # noqa: F401 - re-exported for calle
     load_v_tile,
     scale_offsets,
     to_dot16,
+    v_operand,
 )
 
 # Resident decode programs per SM on the H200 (bf16, head_dim 128, 4 warps, 2 stages), as inferred
@@ -51,6 +52,7 @@ MIN_CHUNK_TILES = 2  # below ~128 keys a chunk's partial write and merge cost mo
 MAX_SPLITS = 128  # old fixed-split heuristic's cap (bench A/B only)
 SCAN = 256  # sequences per step of the in-kernel prefix sum
 S_BLOCK = 16  # partials merged per step of the reduce loop
+FP8_DECODE_MAXNREG = 168  # registers per thread of the fp8 decode kernel: three programs per SM (decode_config)
 
 
 @triton.jit
@@ -92,10 +94,9 @@ def _decode_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_v_tile(v_ptr, blk, slot, kvh, ok, offs_d, stride_vb, stride_vs, stride_vh, stride_vd, PAGE,
-                    V_TRANS, TAIL).to(q.dtype)  # fmt: skip
-    if V_TRANS:
-        v = tl.trans(v)
+    v = load_v_tile(v_ptr, blk, slot, pos, seq_len, kvh, ok, offs_d, stride_vb, stride_vs, stride_vh, stride_vd,
+                    PAGE, V_TRANS, TAIL)  # fmt: skip
+    v = v_operand(v.to(q.dtype), ok, V_TRANS, TAIL)
     if KV_FP8:  # per-value scale on P's columns, relative to the tile's largest (fp16 keeps its range)
         v_top = tl.maximum(tl.max(v_sc, 0), 1.0e-30)
         pv = (p * (v_sc * (1.0 / v_top))[None, :]).to(q.dtype)
@@ -263,14 +264,16 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_tiles: int, sms: int) -
     return max(1, min(slots // max(1, batch * num_kv_heads), MAX_SPLITS, max_tiles))
 
 
-def decode_config(page: int, head_dim: int, kv_dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages). A key tile of about 16 KiB per operand: 64 bf16 tokens at
-    D = 128 (the H200 sweep's best of the previous kernel), twice the tokens for fp8; never less
-    than a page. bench/kernels_bench.py --sweep-decode re-times alternatives."""
+def decode_config(page: int, head_dim: int, kv_dtype: torch.dtype) -> tuple[int, int, int, int | None]:
+    """(BLOCK_N, num_warps, num_stages, maxnreg or None). A key tile of about 16 KiB per operand: 64
+    bf16 tokens at D = 128 (the H200 sweep's best of the previous kernel), twice the tokens for fp8;
+    never less than a page. fp8's registers are capped at 168 (ptxas picks 174 for the sm_90 build:
+    two programs per SM; at 168, three fit in registers and in shared memory, 3 x 72 KiB, for six
+    spilled loads per tile). bench/kernels_bench.py --sweep-decode re-times alternatives."""
     tokens = 64 if head_dim <= 128 else 32
     if is_fp8(kv_dtype):
-        tokens *= 2
-    return max(page, tokens, 16), 4, 2
+        return max(page, 2 * tokens, 16), 4, 2, FP8_DECODE_MAXNREG
+    return max(page, tokens, 16), 4, 2, None
 
 
 def paged_decode_attention(
@@ -316,7 +319,10 @@ def paged_decode_attention(
         raise ValueError(f"split_target and min_chunk must be >= 1; got {split_target}, {min_chunk}")
     group = hq // hkv
     ptrs, strides, consts = kv_args(kv_cache, kv_scales, q)
-    block_n, warps, stages = decode_config(page, d, ptrs[0].dtype)
+    block_n, warps, stages, *maxnreg = decode_config(page, d, ptrs[0].dtype)
+    launch = dict(num_warps=warps, num_stages=stages)
+    if maxnreg and maxnreg[0]:
+        launch["maxnreg"] = maxnreg[0]
     programs = batch * num_splits if num_splits else batch + split_target
     part_o = torch.empty((programs, hq, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((programs, hq), dtype=torch.float32, device=q.device)
@@ -330,7 +336,7 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, PAGE=page,
         BLOCK_N=block_n, FIXED_SPLITS=num_splits or 0, USE_WINDOW=window > 0, **consts,
-        DOT_PREC=dot_precision(q), SCAN_N=SCAN, num_warps=warps, num_stages=stages,
+        DOT_PREC=dot_precision(q), SCAN_N=SCAN, **launch,
     )  # fmt: skip
     if num_splits != 1:
         _decode_reduce_kernel[(batch, hq)](

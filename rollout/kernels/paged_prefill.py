@@ -24,12 +24,13 @@ from rollout.kernels.paged_common import (
     load_v_tile,
     scale_offsets,
     to_dot16,
+    v_operand,
 )
 
 
 @triton.jit
 def _prefill_tile(
-    q, m_i, l_i, acc, start_n, hi, q_pos, window, bt_row, kvh, qk_scale, k_ptr, v_ptr, ks_ptr, vs_ptr,
+    q, m_i, l_i, acc, start_n, hi, seq_len, q_pos, window, bt_row, kvh, qk_scale, k_ptr, v_ptr, ks_ptr, vs_ptr,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
     stride_sb, stride_ss, stride_sh, offs_n, offs_d,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
@@ -58,10 +59,9 @@ def _prefill_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_v_tile(v_ptr, blk, slot, kvh, kv_ok, offs_d, stride_vb, stride_vs, stride_vh, stride_vd, PAGE,
-                    V_TRANS, TAIL).to(q.dtype)  # fmt: skip
-    if V_TRANS:
-        v = tl.trans(v)
+    v = load_v_tile(v_ptr, blk, slot, pos, seq_len, kvh, kv_ok, offs_d, stride_vb, stride_vs, stride_vh,
+                    stride_vd, PAGE, V_TRANS, TAIL)  # fmt: skip
+    v = v_operand(v.to(q.dtype), kv_ok, V_TRANS, TAIL)
     if KV_FP8:  # relative to the tile's largest V scale (fp16 keeps its range; see paged_decode)
         v_top = tl.maximum(tl.max(v_sc, 0), 1.0e-30)
         pv = (p * (v_sc * (1.0 / v_top))[None, :]).to(q.dtype)
@@ -117,14 +117,16 @@ def _prefill_kernel(
     full_end = (seq_len // BLOCK_N) * BLOCK_N  # tiles starting below it end within the sequence
     for start_n in range(lo, tl.minimum(hi, full_end), BLOCK_N):
         m_i, l_i, acc = _prefill_tile(
-            q, m_i, l_i, acc, start_n, hi, q_pos, window, bt_row, kvh, qk_scale, k_ptr, v_ptr, ks_ptr, vs_ptr,
+            q, m_i, l_i, acc, start_n, hi, seq_len, q_pos, window, bt_row, kvh, qk_scale, k_ptr, v_ptr, ks_ptr,
+            vs_ptr,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
             stride_sb, stride_ss, stride_sh, offs_n, offs_d,
             PAGE, BLOCK_N, USE_WINDOW, KV_FP8, V_TRANS, SCALE_CONTIG, DOT_PREC, False,
         )  # fmt: skip
     for start_n in range(tl.maximum(lo, full_end), hi, BLOCK_N):  # at most one: it holds the sequence's end
         m_i, l_i, acc = _prefill_tile(
-            q, m_i, l_i, acc, start_n, hi, q_pos, window, bt_row, kvh, qk_scale, k_ptr, v_ptr, ks_ptr, vs_ptr,
+            q, m_i, l_i, acc, start_n, hi, seq_len, q_pos, window, bt_row, kvh, qk_scale, k_ptr, v_ptr, ks_ptr,
+            vs_ptr,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
             stride_sb, stride_ss, stride_sh, offs_n, offs_d,
             PAGE, BLOCK_N, USE_WINDOW, KV_FP8, V_TRANS, SCALE_CONTIG, DOT_PREC, True,
