@@ -83,8 +83,8 @@ def graph_ms(calls: list) -> float:
 
 
 # (BLOCK_N, num_warps, num_stages[, maxnreg]); fp8's default is (128, 4, 2, 168)
-DECODE_CONFIGS = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 2, 168), (128, 8, 2), (32, 4, 3), (64, 8, 3),
-                  (256, 8, 2)]
+DECODE_CONFIGS = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 2, 168), (128, 4, 3, 168), (128, 8, 2), (32, 4, 3),
+                  (64, 8, 3), (256, 8, 2)]
 
 
 def decode_variants(args, batch: int, hkv: int, max_tiles: int) -> list[dict]:

@@ -65,16 +65,35 @@ def _tile_range(seq_len, window, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr
 
 
 @triton.jit
+def _tile_scales(t, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss, stride_sh, offs_n,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
+                 SCALE_CONTIG: tl.constexpr):  # fmt: skip
+    """fp8: key tile ``t``'s per-token K and V scales ([BLOCK_N] fp32; 0 past ``seq_len``), loaded a
+    tile ahead by the caller (Triton pipelines the K/V copies, not these small loads, and the scores
+    need them right after the first dot). Non-fp8: dummies."""
+    if KV_FP8:
+        pos = t * BLOCK_N + offs_n
+        ok = pos < seq_len
+        blk = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
+        s_off = scale_offsets(blk, pos % PAGE, kvh, stride_sb, stride_ss, stride_sh, PAGE, SCALE_CONTIG)
+        k_sc = tl.load(ks_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
+        v_sc = tl.load(vs_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
+    else:
+        k_sc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        v_sc = k_sc
+    return k_sc, v_sc
+
+
+@triton.jit
 def _decode_tile(
-    q, m_i, l_i, acc, t, bt_row, seq_len, start, kvh, qk_scale, k_ptr, v_ptr, ks_ptr, vs_ptr,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_sb, stride_ss, stride_sh, offs_n, offs_d,
+    q, m_i, l_i, acc, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, V_TRANS: tl.constexpr,
-    SCALE_CONTIG: tl.constexpr, DOT_PREC: tl.constexpr, TAIL: tl.constexpr,
+    DOT_PREC: tl.constexpr, TAIL: tl.constexpr,
 ):  # fmt: skip
     """One key tile of online softmax for the [G, D] queries of one kv head: (m_i, l_i, acc) updated.
-    fp8: K and V widen in registers where the dots consume them; the per-token scales scale the score
-    columns (K) and P's columns (V)."""
+    fp8: K and V widen in registers where the dots consume them; the per-token scales (``k_sc``,
+    ``v_sc``, from ``_tile_scales``) scale the score columns (K) and P's columns (V)."""
     pos = t * BLOCK_N + offs_n
     ok = (pos < seq_len) & (pos >= start)
     blk = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
@@ -83,9 +102,6 @@ def _decode_tile(
     k = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     if KV_FP8:  # per-key scale: scaling the score columns is the same as scaling K's rows
-        s_off = scale_offsets(blk, slot, kvh, stride_sb, stride_ss, stride_sh, PAGE, SCALE_CONTIG)
-        k_sc = tl.load(ks_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
-        v_sc = tl.load(vs_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
         s = s * (k_sc * qk_scale)[None, :]
     else:
         s = s * qk_scale  # log2 domain
@@ -179,19 +195,22 @@ def _decode_split_kernel(
     acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     full = tl.minimum(t1, tl.maximum(seq_len // BLOCK_N, t0))  # tiles [t0, full) end within the sequence
+    k_sc, v_sc = _tile_scales(t0, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss, stride_sh, offs_n,
+                              PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
     for t in range(t0, full):
+        k_next, v_next = _tile_scales(t + 1, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss, stride_sh,
+                                      offs_n, PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
         m_i, l_i, acc = _decode_tile(
-            q, m_i, l_i, acc, t, bt_row, seq_len, start, kvh, qk_scale, k_ptr, v_ptr, ks_ptr, vs_ptr,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
-            stride_sb, stride_ss, stride_sh, offs_n, offs_d,
-            PAGE, BLOCK_N, KV_FP8, V_TRANS, SCALE_CONTIG, DOT_PREC, False,
+            q, m_i, l_i, acc, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
+            PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, False,
         )  # fmt: skip
+        k_sc, v_sc = k_next, v_next
     for t in range(full, t1):  # at most one: the tile holding the sequence's end
         m_i, l_i, acc = _decode_tile(
-            q, m_i, l_i, acc, t, bt_row, seq_len, start, kvh, qk_scale, k_ptr, v_ptr, ks_ptr, vs_ptr,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
-            stride_sb, stride_ss, stride_sh, offs_n, offs_d,
-            PAGE, BLOCK_N, KV_FP8, V_TRANS, SCALE_CONTIG, DOT_PREC, True,
+            q, m_i, l_i, acc, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
+            PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, True,
         )  # fmt: skip
 
     has = l_i > 0.0
