@@ -112,8 +112,8 @@ def kv_args(
 ) -> tuple[tuple, tuple, dict]:
     """The kernels' cache arguments: (pointers (k, v, k scales, v scales), strides (K block, token,
     head; V block, token, head, dim; scale block, token, head), constexprs; ``DOT16`` with ``q``: see
-    ``to_dot16``). Scale pointers are
-    dummies and their strides 0 when the cache is not fp8 (the kernels then never touch them)."""
+    ``to_dot16``). Scale pointers are dummies and their strides 0 when the cache is not fp8 (the
+    kernels then never touch them)."""
     k, v = kv_halves(kv_cache)
     strides = (*k.stride()[:3], *v.stride())
     if kv_scales is None:
@@ -121,8 +121,14 @@ def kv_args(
     else:
         ptrs, s_strides = (k, v, kv_scales[0], kv_scales[1]), tuple(kv_scales.stride()[1:])
     v_trans = v.stride(3) != 1
+    page = k.shape[1]
+    if v_trans and (v.stride(0) % page or v.stride(2) % page):
+        raise ValueError(f"token-contiguous V needs block and head strides that are multiples of block_size {page}; "
+                         f"got {v.stride()}")  # fmt: skip
     consts = dict(
-        KV_FP8=is_fp8(k.dtype), V_TRANS=v_trans, SCALE_CONTIG=kv_scales is not None and kv_scales.stride(2) == 1
+        KV_FP8=is_fp8(k.dtype), V_TRANS=v_trans,
+        SCALE_CONTIG=kv_scales is not None and kv_scales.stride(2) == 1 and not kv_scales.stride(1) % page
+        and not kv_scales.stride(3) % page,
     )
     if q is not None:
         consts["DOT16"] = is_fp8(k.dtype) and q.dtype != torch.float32
