@@ -88,14 +88,16 @@ DECODE_CONFIGS = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 2, 168), (128, 4
 
 
 def decode_variants(args, batch: int, hkv: int, max_tiles: int) -> list[dict]:
-    """What to time: the balanced partition (default), the previous fixed-split heuristic ("legacy"),
-    fixed split counts (--sweep-splits), tile configs and wave counts (--sweep-decode)."""
+    """What to time: the balanced partition (default), the previous fixed-split heuristic ("legacy") and
+    the balanced one with its merge fused into the split kernel ("fused"), fixed split counts
+    (--sweep-splits), tile configs and wave counts (--sweep-decode)."""
     from rollout.kernels.paged_decode import choose_num_splits, choose_split_target, num_sms
 
     sms = num_sms(torch.device("cuda"))
     out = [dict(variant="balanced")]
     if args.compare_legacy:
         out.append(dict(variant="legacy", num_splits=choose_num_splits(batch, hkv, max_tiles, sms)))
+        out.append(dict(variant="fused", fused_merge=True))  # balanced, the merge in the split kernel
     if args.sweep_splits:
         out += [dict(variant="fixed", num_splits=s) for s in (1, 2, 4, 8, 16, 32, 64)]
     if args.sweep_decode:
@@ -122,7 +124,7 @@ def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: to
     default_config = pd.decode_config
     recs = []
     for var in decode_variants(args, batch, hkv, max_tiles):
-        kw = {k: var[k] for k in ("num_splits", "split_target") if k in var}
+        kw = {k: var[k] for k in ("num_splits", "split_target", "fused_merge") if k in var}
         if "config" in var:
             pd.decode_config = lambda *_, c=var["config"]: c  # bench-only override of the tile choice
         try:

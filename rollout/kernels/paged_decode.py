@@ -123,9 +123,34 @@ def _decode_tile(
 
 
 @triton.jit
+def _merge_chunks(part_o_ptr, part_lse_ptr, out_ptr, first, n, b, heads, g_ok, offs_d, num_heads, stride_ot,
+                  stride_oh, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr):  # fmt: skip
+    """Merge chunks [first, first + n)'s (out, lse) partials of one kv head's query heads into ``out``;
+    the partials come from other programs, read through L2 (``.cg``: an SM's L1 is not coherent)."""
+    m = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([G_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
+    for c in range(first, first + n):
+        row = (c * num_heads + heads).to(tl.int64)
+        lse = tl.load(part_lse_ptr + row, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=g_ok[:, None], other=0.0,
+                    cache_modifier=".cg")  # fmt: skip
+        m_new = tl.maximum(m, lse)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: weights exp2(-inf) = 0
+        alpha = tl.exp2(m - m_ref)
+        w = tl.exp2(lse - m_ref)
+        acc = acc * alpha[:, None] + o * w[:, None]
+        den = den * alpha + w
+        m = m_new
+    res = acc / tl.where(den > 0.0, den, 1.0)[:, None]
+    o_ptrs = out_ptr + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, seq_info_ptr,
-    qk_scale, window, batch, split_target, min_chunk,
+    counter_ptr, qk_scale, window, batch, split_target, min_chunk,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -135,7 +160,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, FIXED_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
     V_TRANS: tl.constexpr, SCALE_CONTIG: tl.constexpr, DOT16: tl.constexpr, DOT_PREC: tl.constexpr,
-    SCAN_N: tl.constexpr,
+    SCAN_N: tl.constexpr, FUSED_MERGE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -223,6 +248,14 @@ def _decode_split_kernel(
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_ok[:, None])
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=g_ok)
+        if FUSED_MERGE:  # the last of the sequence's chunks (per kv head) merges them: no second kernel
+            tl.debug_barrier()  # every thread's partials stored before the release below
+            count = counter_ptr + b * tl.num_programs(1) + kvh
+            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n - 1:
+                tl.debug_barrier()
+                tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # zero again for the next call
+                _merge_chunks(part_o_ptr, part_lse_ptr, out_ptr, first, n, b, heads, g_ok, offs_d,
+                              GROUP * tl.num_programs(1), stride_ot, stride_oh, HEAD_DIM, G_PAD)  # fmt: skip
     if (j == 0) & (kvh == 0):  # where the merge finds this sequence's chunks
         tl.store(seq_info_ptr + 2 * b, first)
         tl.store(seq_info_ptr + 2 * b + 1, n)
@@ -307,6 +340,7 @@ def paged_decode_attention(
     kv_scales: torch.Tensor | None = None,
     split_target: int | None = None,
     min_chunk: int = MIN_CHUNK_TILES,
+    fused_merge: bool = False,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (q: [B, Hq, D]) over its ``seq_lens[i]`` cached tokens.
 
@@ -314,7 +348,9 @@ def paged_decode_attention(
     token-contiguous) with its ``kv_scales``. The new token's K/V must already be in the cache. A
     sequence with ``seq_len == 0`` (CUDA-graph padding) gets zeros. ``num_splits`` forces every sequence
     into that many chunks (the old scheme; A/B and tests); ``split_target``/``min_chunk`` tune the
-    balanced partition. Returns ``out`` ([B, Hq, D], q's dtype).
+    balanced partition. ``fused_merge``: the last chunk of a split sequence merges the partials (one
+    atomic counter per sequence and kv head) instead of a second kernel (opt-in until timed on the
+    H200: bench/kernels_bench.py --compare-legacy). Returns ``out`` ([B, Hq, D], q's dtype).
     """
     check_paged_inputs(q, kv_cache, block_tables, kv_scales)
     window = check_window(sliding_window)
@@ -346,8 +382,9 @@ def paged_decode_attention(
     part_o = torch.empty((programs, hq, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((programs, hq), dtype=torch.float32, device=q.device)
     seq_info = torch.empty((batch, 2), dtype=torch.int32, device=q.device)
+    counters = torch.zeros((batch, hkv) if fused_merge else (1,), dtype=torch.int32, device=q.device)
     _decode_split_kernel[(programs, hkv)](
-        q, *ptrs, block_tables, seq_lens, out, part_o, part_lse, seq_info,
+        q, *ptrs, block_tables, seq_lens, out, part_o, part_lse, seq_info, counters,
         scale * LOG2E, window, batch, split_target, min_chunk,
         q.stride(0), q.stride(1),
         *strides,
@@ -355,9 +392,9 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, PAGE=page,
         BLOCK_N=block_n, FIXED_SPLITS=num_splits or 0, USE_WINDOW=window > 0, **consts,
-        DOT_PREC=dot_precision(q), SCAN_N=SCAN, **launch,
+        DOT_PREC=dot_precision(q), SCAN_N=SCAN, FUSED_MERGE=fused_merge, **launch,
     )  # fmt: skip
-    if num_splits != 1:
+    if num_splits != 1 and not fused_merge:
         _decode_reduce_kernel[(batch, hq)](
             part_o, part_lse, seq_info, out, hq, out.stride(0), out.stride(1),
             HEAD_DIM=d, S_BLOCK_N=S_BLOCK, num_warps=4,

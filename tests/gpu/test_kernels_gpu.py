@@ -133,6 +133,22 @@ def test_decode_w2_long_tail_and_32k(kv, batch, max_ctx):
     assert rel_err(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_decode_fused_merge_equals_two_kernels(kv):
+    """The opt-in merge inside the split kernel (last chunk to finish merges, atomic counter per
+    sequence and kv head): equal to the two-kernel path, replay after replay (the counters re-zero)."""
+    hq, hkv, d = PRESETS["qwen2.5-1.5b"]
+    q, cache, meta = build([1] * 256, long_tail_lens(256, 16384, seed=3), hq, hkv, d)
+    scales = None
+    if kv == "fp8":
+        _, cache, scales = to_fp8(cache)
+    args = (q, cache, meta.block_tables, meta.seq_lens, d**-0.5)
+    want = paged_decode_attention(*args, kv_scales=scales)
+    for _ in range(5):
+        got = paged_decode_attention(*args, kv_scales=scales, fused_merge=True)
+        assert (got.float() - want.float()).abs().max().item() <= 1e-2 * want.float().abs().max().item()
+
+
 @pytest.mark.parametrize("hq,hkv", [(8, 1), (16, 2), (32, 8)])  # GQA 8 with one kv head, 8, 4
 def test_decode_gqa_groups_32k(hq, hkv):
     q, cache, meta = build([1] * 3, [32768, 17, 20000], hq, hkv, 128)
