@@ -301,7 +301,9 @@ def stream_cost(args: argparse.Namespace) -> None:
         server, url = _start_server(args)
         try:
             client = RolloutClient(url, max_concurrency=w["prompts"])
-            client.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+            # warm-up on every server (allocator, graphs at every batch size), so neither timed run goes first cold
+            client.generate(prompts, SamplingParams(temperature=1.0, seed=1, max_tokens=min(512, w["new"]),
+                                                    ignore_eos=True))
             runs = {}
             for mode in ("plain", "stream") if plain is None else ("stream",):
                 s0, t0 = _steps(url), time.perf_counter()
