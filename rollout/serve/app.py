@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from rollout.engine.async_engine import AsyncEngine
-from rollout.serve import admin, auth, connections, errors, generate, metrics, templates
+from rollout.serve import admin, auth, connections, errors, generate, metrics, sglang, templates, trl_server
 from rollout.serve.config import ServeConfig
 from rollout.serve.state import ServerState, state
 
@@ -45,9 +45,12 @@ def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str
         app.add_middleware(auth.BearerAuth, key=key)  # added last: runs first, before the body is read
     errors.install(app)
     app.include_router(generate.router)
+    app.include_router(sglang.router)
+    app.include_router(trl_server.router)
     app.include_router(admin.status)
     if config.server.admin:
         app.include_router(admin.router)
+        app.include_router(sglang.admin)
 
     @app.get("/health")
     async def health() -> Any:

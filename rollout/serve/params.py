@@ -103,27 +103,33 @@ def to_sampling_params(req: _Sampling, defaults: SamplingConfig, max_n: int, max
               "spaces_between_special_tokens": req.spaces_between_special_tokens,
               "include_stop_str_in_output": req.include_stop_str_in_output,
               "logprobs": k or None, "prompt_logprobs": prompt_logprobs(req)}
+    base = dict(
+        n=n,
+        temperature=float(pick(req.temperature, defaults.temperature)),
+        top_p=float(pick(req.top_p, defaults.top_p)),
+        top_k=pick(req.top_k, defaults.top_k),
+        min_p=float(pick(req.min_p, defaults.min_p)),
+        max_tokens=pick(max_tokens if max_tokens is not None else req.max_tokens, defaults.max_tokens),
+        min_tokens=pick(req.min_tokens, defaults.min_tokens),
+        stop=pick(req.stop, list(defaults.stop) or None),
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=pick(req.ignore_eos, defaults.ignore_eos),
+        seed=pick(req.seed, defaults.seed),
+        logprobs_mode=pick(req.logprobs_mode, defaults.logprobs_mode),
+    )
+    return make_params(base, extras)
+
+
+def make_params(base: dict[str, Any], extras: dict[str, Any]) -> SamplingParams:
+    """``SamplingParams(**base)`` plus the ``ENGINE_EXTRAS`` a request moved from their defaults; 400 naming
+    the field the engine refuses (or, on an engine without it, does not have)."""
     moved = {key: v for key, v in extras.items() if v is not None and v != ENGINE_EXTRAS[key]}
-    if "prompt_logprobs" in moved or extras["prompt_logprobs"] == 0:
-        moved["prompt_logprobs"] = extras["prompt_logprobs"]
+    if extras.get("prompt_logprobs") == 0:  # prompt logprobs without alternatives: still asked for
+        moved["prompt_logprobs"] = 0
     try:
-        return SamplingParams(
-            n=n,
-            temperature=float(pick(req.temperature, defaults.temperature)),
-            top_p=float(pick(req.top_p, defaults.top_p)),
-            top_k=pick(req.top_k, defaults.top_k),
-            min_p=float(pick(req.min_p, defaults.min_p)),
-            max_tokens=pick(max_tokens if max_tokens is not None else req.max_tokens, defaults.max_tokens),
-            min_tokens=pick(req.min_tokens, defaults.min_tokens),
-            stop=pick(req.stop, list(defaults.stop) or None),
-            stop_token_ids=req.stop_token_ids,
-            ignore_eos=pick(req.ignore_eos, defaults.ignore_eos),
-            seed=pick(req.seed, defaults.seed),
-            logprobs_mode=pick(req.logprobs_mode, defaults.logprobs_mode),
-            **moved,
-        )
+        return SamplingParams(**base, **moved)
     except TypeError as e:
-        if (m := re.search(r"unexpected keyword argument '(\w+)'", str(e))) is not None:
+        if (m := re.search(r"unexpected keyword argument '(\w+)'", str(e))) is not None and m.group(1) in moved:
             key = m.group(1)
             raise APIError(400, f"{key}={moved[key]!r} is not supported by this engine build; allowed: "
                                 f"{ENGINE_EXTRAS[key]!r} (or leave it out)", param=key) from None

@@ -160,6 +160,8 @@ class InitWeightTransfer(_Strict):
     backend: Literal["nccl", "gloo"] | None = None  # None = nccl for a CUDA engine, else gloo
     timeout_s: float = Field(600.0, gt=0)  # capped at server.max_weight_timeout_s
     packed: bool = True
+    packed_buffer_size_bytes: int = Field(1 << 30, ge=256)  # vLLM's packing (TRL's VLLMClient): both ends agree
+    packed_num_buffers: int = Field(2, ge=1)
 
 
 class UpdateWeights(_Strict):
@@ -177,6 +179,38 @@ class UpdateWeights(_Strict):
 
 
 class UpdateWeightsFromDisk(_Strict):
-    path: str = Field(min_length=1, max_length=4096)
+    """Ours (``path``, ``version``) or SGLang's (``model_path``, ``weight_version``...): the same update."""
+
+    path: str | None = Field(None, min_length=1, max_length=4096)
+    model_path: str | None = Field(None, min_length=1, max_length=4096)
     version: int | None = None
+    weight_version: str | int | None = None
     recompute_running: bool = True
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    token_step: int | None = None
+
+    def where(self) -> str:
+        from rollout.serve.errors import APIError
+
+        if (self.path is None) == (self.model_path is None):
+            raise APIError(400, "give exactly one of path and model_path", param="path")
+        if self.load_format not in (None, "auto", "safetensors"):
+            raise APIError(400, f"load_format={self.load_format!r} is not supported; allowed: 'auto' "
+                                "(safetensors)", param="load_format")
+        return self.path or self.model_path  # type: ignore[return-value]
+
+    def new_version(self) -> int | None:
+        from rollout.serve.errors import APIError
+
+        v = self.version if self.version is not None else self.weight_version
+        if v is None or isinstance(v, int):
+            return v
+        if isinstance(v, str) and v.isdigit():
+            return int(v)
+        raise APIError(400, f"weight_version={v!r} must be an integer: it becomes the policy version",
+                       param="weight_version")
