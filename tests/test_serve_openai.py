@@ -252,7 +252,7 @@ def test_metrics_are_prometheus_text(env):
     values = {}
     for line in text.splitlines():
         if line.startswith("#"):
-            assert re.fullmatch(r"# (HELP \w+ .+|TYPE \w+ (gauge|counter))", line), line
+            assert re.fullmatch(r"# (HELP [\w:]+ .+|TYPE [\w:]+ (gauge|counter))", line), line
         else:
             name, value = line.split()
             values[name] = float(value)

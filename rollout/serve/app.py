@@ -17,6 +17,7 @@ from rollout.engine.async_engine import AsyncEngine
 from rollout.serve import admin, auth, connections, errors, generate, metrics, sglang, templates, trl_server
 from rollout.serve.config import ServeConfig
 from rollout.serve.state import ServerState, state
+from rollout.serve.stats_log import log_stats
 
 
 def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str | None = None) -> FastAPI:
@@ -31,9 +32,13 @@ def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str
         loop.start()
         if config.server.allow_request_chat_template:
             await asyncio.to_thread(templates.warm)  # the fork server imports jinja once, now
+        logger = asyncio.ensure_future(log_stats(st, config.server.log_stats_s)) \
+            if config.server.log_stats_s else None
         try:
             yield
         finally:
+            if logger is not None:
+                logger.cancel()
             loop.close()
             st.receiver.close()
             st.text_pool.shutdown(wait=False, cancel_futures=True)
