@@ -33,7 +33,7 @@ def env(tmp_path_factory):
     cache = tmp_path_factory.mktemp("dropin-cache")
     materialize_default_model(cache)
     overrides = [f"model.cache_dir={cache}"]
-    server = Server(*overrides)
+    server = Server(*overrides, "server.log_stats_s=0.5")
     try:
         engine, model_dir = in_process_engine(*overrides)
         server.wait_ready()
@@ -188,6 +188,23 @@ def test_generate_with_input_ids_equals_completions(env):
     assert meta["finish_reason"] == {"type": "length", "length": 8}
     assert meta["prompt_tokens"] == 7 and meta["completion_tokens"] == 8 and meta["weight_version"] == "0"
     assert sg["text"] == oa.choices[0].text and "cached_tokens" in meta and meta["input_token_logprobs"] == []
+
+
+@ENGINE
+def test_generate_input_logprobs_and_top_logprobs(env):
+    prompt = _prompt(8, seed=6)
+    code, sg = _post(env, "/generate", {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0,
+                                        "top_logprobs_num": 3, "sampling_params": {"max_new_tokens": 4,
+                                                                                   "temperature": 0}})
+    assert code == 200, sg
+    meta = sg["meta_info"]
+    assert [x[1] for x in meta["input_token_logprobs"]] == prompt and meta["input_token_logprobs"][0][0] is None
+    assert all(len(t) == 3 for t in meta["output_top_logprobs"]) and len(meta["input_top_logprobs"]) == 8
+    assert meta["output_top_logprobs"][0][0][0] == pytest.approx(meta["output_token_logprobs"][0][0], abs=1e-5)
+    code, oa = _post(env, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0})
+    plp = oa["choices"][0]["prompt_logprobs"]
+    want = [None] + [plp[i][str(t)]["logprob"] for i, t in enumerate(prompt) if i > 0]
+    assert [x[0] for x in meta["input_token_logprobs"]] == pytest.approx(want, abs=1e-5)
 
 
 def test_generate_batches_text_and_n(env):
@@ -360,3 +377,21 @@ def test_a_vllm_format_init_fails_within_seconds(env):
     code, out = _post(env, "/init_weight_transfer", {"master_address": "127.0.0.1", "master_port": silent.port,
                                                      "timeout_s": 2})
     assert code == 400 and "handshake" in out["error"]["message"] and time.monotonic() - t0 < 10, out
+
+
+# ---- what users watch ---------------------------------------------------------------------------------------
+def test_metrics_under_vllms_names_and_a_stats_line_while_busy(env):
+    env.client.completions.create(model=env.model, prompt=_prompt(), max_tokens=40, extra_body={"ignore_eos": True})
+    text = env.server.get("/metrics")[1]
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
+    label = f'{{model_name="{env.model}"}}'
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:gpu_cache_usage_perc", "vllm:prompt_tokens_total"):
+        assert name + label in values, name
+    assert values["vllm:generation_tokens_total" + label] == values["rollout_generation_tokens_total"] >= 40
+    deadline = time.monotonic() + 10
+    while not any("tok/s" in line and "KV cache" in line for line in env.server.lines):
+        assert time.monotonic() < deadline, "".join(env.server.lines[-5:])
+        time.sleep(0.1)
+    line = next(x for x in env.server.lines if "tok/s" in x and "KV cache" in x)
+    assert "running" in line and "waiting" in line and "policy version" in line
