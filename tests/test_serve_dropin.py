@@ -22,7 +22,7 @@ import torch
 
 from rollout.assets import materialize_default_model
 from rollout.sampling_params import SamplingParams
-from tests.serve_helpers import Server, in_process_engine
+from tests.serve_helpers import Server, in_process_engine, vllm_unique_id_pickle
 
 openai = pytest.importorskip("openai")
 ENGINE = pytest.mark.xfail(strict=False, reason="needs engineparams branch (engine-side SamplingParams fields)")
@@ -334,38 +334,12 @@ def test_server_info_as_trl_reads_it(env):
     assert json.loads(env.server.get("/get_world_size/")[1]) == {"world_size": 1}
 
 
-def _fake_vllm_unique_id() -> bytes:
-    """The bytes vLLM's StatelessProcessGroup.broadcast_obj stores: a pickled pynccl ncclUniqueId."""
-    import ctypes
-    import pickle
-    import sys
-    import types
-
-    mod = types.ModuleType("vllm.distributed.device_communicators.pynccl_wrapper")
-
-    class ncclUniqueId(ctypes.Structure):  # noqa: N801 - vLLM's name, as the pickle names it
-        _fields_ = [("internal", ctypes.c_byte * 128)]
-
-    ncclUniqueId.__module__, ncclUniqueId.__qualname__ = mod.__name__, "ncclUniqueId"
-    mod.ncclUniqueId = ncclUniqueId
-    parts = mod.__name__.split(".")
-    names = [".".join(parts[:i]) for i in range(1, len(parts))]  # vllm, vllm.distributed, ...: not installed
-    for n in names:
-        sys.modules[n] = types.ModuleType(n)
-    sys.modules[mod.__name__] = mod
-    try:
-        return pickle.dumps(ncclUniqueId())
-    finally:
-        for n in [*names, mod.__name__]:
-            del sys.modules[n]
-
-
 def test_a_vllm_format_init_fails_within_seconds(env):
     """TRL 1.16's init_communicator (vLLM's trainer_init: a TCPStore with the NCCL id under broadcast_from/0/0)
     against a CPU engine: a 400 naming the reason at once. A store that says nothing fails within timeout_s."""
     store = torch.distributed.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
                                        timeout=datetime.timedelta(seconds=30))
-    store.set("broadcast_from/0/0", _fake_vllm_unique_id())
+    store.set("broadcast_from/0/0", vllm_unique_id_pickle(bytes(128)))
     t0 = time.monotonic()
     code, out = _post(env, "/init_weight_transfer_engine", {"init_info": {
         "master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2,

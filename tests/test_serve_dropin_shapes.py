@@ -110,7 +110,7 @@ class _Evil:
 def test_the_nccl_id_unpickler_admits_only_the_id():
     with pytest.raises(pickle.UnpicklingError, match="refusing"):
         unique_id(pickle.dumps(_Evil()))
-    from tests.test_serve_dropin import _fake_vllm_unique_id
+    from tests.serve_helpers import vllm_unique_id_pickle
 
-    uid = unique_id(_fake_vllm_unique_id())
-    assert bytes(uid.internal) == bytes(128)
+    raw = bytes(range(128))
+    assert bytes(unique_id(vllm_unique_id_pickle(raw)).internal) == raw

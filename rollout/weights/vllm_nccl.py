@@ -64,6 +64,8 @@ class _Nccl:
         self.lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         self.lib.ncclCommDestroy.argtypes = [ctypes.c_void_p]
+        self.lib.ncclCommAbort.argtypes = [ctypes.c_void_p]
+        self.lib.ncclGetUniqueId.argtypes = [ctypes.POINTER(NcclUniqueId)]
 
     def check(self, result: int) -> None:
         if result != 0:
@@ -148,7 +150,7 @@ class VllmNcclGroup:
         comm, self.comm = self.comm, None
         if comm:
             try:
-                self.nccl.lib.ncclCommDestroy(comm)
+                self.nccl.lib.ncclCommAbort(comm)  # never blocks on a peer that is gone (destroy may)
             except Exception:  # noqa: BLE001 - best effort on a broken communicator
                 pass
         self.store = None  # type: ignore[assignment]
