@@ -14,10 +14,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from rollout.engine.async_engine import AsyncEngine
-from rollout.serve import admin, auth, connections, errors, generate, metrics, sglang, templates, trl_server
+from rollout.serve import admin, auth, connections, errors, generate, metrics, sglang, sglang_admin, templates
 from rollout.serve.config import ServeConfig
 from rollout.serve.state import ServerState, state
 from rollout.serve.stats_log import log_stats
+from rollout.serve.trl_server import router as trl_router
 
 
 def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str | None = None) -> FastAPI:
@@ -51,11 +52,11 @@ def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str
     errors.install(app)
     app.include_router(generate.router)
     app.include_router(sglang.router)
-    app.include_router(trl_server.router)
+    app.include_router(trl_router)
     app.include_router(admin.status)
     if config.server.admin:
         app.include_router(admin.router)
-        app.include_router(sglang.admin)
+        app.include_router(sglang_admin.router)
 
     @app.get("/health")
     async def health() -> Any:

@@ -2,10 +2,8 @@
 
 ``POST /generate`` takes ``text`` or ``input_ids`` (one prompt or a batch) with SGLang's ``sampling_params``
 and returns ``text``, ``output_ids`` and ``meta_info`` (finish reason ``{type, matched}``, token counts,
-logprobs as ``[logprob, token_id, null]``, the weight version). The control and weight routes (``admin``,
-gone with ``server.admin=false``) end in the one weight path: ``/update_weights_from_disk`` is admin.py's
-(it takes SGLang's ``model_path``), ``/update_weights_from_distributed`` lands slime's per-tensor broadcasts
-through ``WeightReceiver.receive_each``.
+logprobs as ``[logprob, token_id, null]``, the weight version). The control and weight routes are in
+sglang_admin.py.
 """
 
 from __future__ import annotations
@@ -19,25 +17,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from rollout.serve.admin import _body
 from rollout.serve.errors import APIError
 from rollout.serve.generate import _abort, _disconnected
 from rollout.serve.params import make_params
-from rollout.serve.sglang_protocol import (
-    DestroyGroup,
-    GenerateRequest,
-    InitGroup,
-    PauseGeneration,
-    UpdateFromDistributed,
-    sampling_base,
-    sampling_extras,
-)
+from rollout.serve.sglang_protocol import GenerateRequest, sampling_base, sampling_extras
 from rollout.serve.state import ServerState, state
-from rollout.weights.group import PushRejected, TransferError
-from rollout.weights.layout import make_specs
 
-router = APIRouter()  # generation and read-only info
-admin = APIRouter()  # what changes the server: cache, pause, weights (none of it with server.admin=false)
+router = APIRouter()  # generation, read-only info, abort (the control and weight routes: sglang_admin.py)
 
 
 @router.post("/generate")
@@ -64,7 +50,7 @@ def _params(st: ServerState, req: GenerateRequest, sp: dict[str, Any]) -> Any:
     top = req.top_logprobs_num if req.return_logprob else 0
     wants_input = req.return_logprob and req.logprob_start_len is not None and req.logprob_start_len >= 0
     base = sampling_base(sp, st.defaults)
-    if st.max_n < base["n"]:
+    if isinstance(base["n"], int) and st.max_n < base["n"]:
         raise APIError(400, f"n={base['n']} is too large; allowed: 1 .. {st.max_n} (server.max_n)", param="n")
     return make_params(base, sampling_extras(sp, top or None, top if wants_input else None))
 
@@ -243,6 +229,8 @@ async def health_generate(request: Request) -> Any:
 async def abort_request(request: Request) -> dict[str, Any]:
     raw = await request.json()
     st = state(request)
+    if not isinstance(raw, dict):
+        raise APIError(400, "the request body must be a JSON object: {\"rid\": ...} or {\"abort_all\": true}")
     if raw.get("abort_all"):
         return {"success": True, "aborted": await st.run(st.loop.abort_all)}
     rid = raw.get("rid")
@@ -250,114 +238,3 @@ async def abort_request(request: Request) -> dict[str, Any]:
         raise APIError(400, "abort_request needs rid (a request id) or abort_all=true", param="rid")
     st.loop.abort(rid)
     return {"success": True}
-
-
-# ---- control and weights (server.admin) -------------------------------------------------------------------
-@admin.api_route("/flush_cache", methods=["GET", "POST"])
-async def flush_cache(request: Request) -> PlainTextResponse:
-    st = state(request)
-    await st.run(st.engine.block_manager.reset_prefix_cache)
-    return PlainTextResponse("Cache flushed.\n")
-
-
-@admin.post("/pause_generation")
-async def pause_generation(request: Request) -> dict[str, Any]:
-    """SGLang's modes: ``abort`` (the default) ends running requests; ``retract`` / ``in_place`` keep them."""
-    body: PauseGeneration = await _body(request, PauseGeneration, "pause")
-    st = state(request)
-
-    def do() -> int:
-        st.loop.set_paused(True)
-        return st.loop.abort_all() if body.mode == "abort" else 0
-
-    return {"success": True, "mode": body.mode, "aborted": await st.run(do)}
-
-
-@admin.post("/continue_generation")
-async def continue_generation(request: Request) -> dict[str, Any]:
-    st = state(request)
-    await st.run(lambda: st.loop.set_paused(False))
-    return {"success": True}
-
-
-@admin.post("/release_memory_occupation")
-async def release_memory_occupation(request: Request) -> dict[str, Any]:
-    st = state(request)
-    try:
-        released = await st.run(lambda: st.engine.sleep(1))
-    except RuntimeError as e:
-        raise APIError(409, f"{e} (POST /pause_generation does that)") from None
-    released += await asyncio.to_thread(st.receiver.release_staging)
-    return {"success": True, "released_bytes": released}
-
-
-@admin.post("/resume_memory_occupation")
-async def resume_memory_occupation(request: Request) -> dict[str, Any]:
-    st = state(request)
-    await st.run(st.engine.wake_up)
-    return {"success": True}
-
-
-@admin.post("/init_weights_update_group")
-async def init_weights_update_group(request: Request) -> dict[str, Any]:
-    """Join the trainer's group as SGLang does (slime: ``connect_rollout_engines_from_distributed``)."""
-    from rollout.serve.auth import weight_source
-
-    st = state(request)
-    body: InitGroup = await _body(request, InitGroup, "init")
-    client = request.client.host if request.client else None
-    address = await asyncio.to_thread(weight_source, body.master_address, client, st.settings.weight_sources)
-    timeout_s = st.settings.max_weight_timeout_s
-    try:
-        await asyncio.to_thread(st.receiver.join_named, address, body.master_port, body.world_size,
-                                body.rank_offset, body.group_name, body.backend, timeout_s)
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
-    except Exception as e:  # noqa: BLE001 - the rendezvous or the group could not be reached
-        if isinstance(e, RuntimeError) and "in progress" in str(e):
-            raise APIError(409, str(e)) from None
-        raise APIError(400, f"cannot join weight-update group {body.group_name!r} at {body.master_address}:"
-                            f"{body.master_port} within {timeout_s:g} s ({type(e).__name__})") from None
-    return {"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset}"}
-
-
-@admin.post("/destroy_weights_update_group")
-async def destroy_weights_update_group(request: Request) -> dict[str, Any]:
-    await _body(request, DestroyGroup, "destroy")
-    st = state(request)
-    try:
-        await asyncio.to_thread(st.receiver.close)
-    except RuntimeError as e:
-        raise APIError(409, str(e)) from None
-    return {"success": True, "message": "destroyed"}
-
-
-@admin.post("/update_weights_from_distributed")
-async def update_weights_from_distributed(request: Request) -> dict[str, Any]:
-    """slime's push: names / dtypes / shapes here, then one broadcast per tensor from rank 0, in that order."""
-    st = state(request)
-    body: UpdateFromDistributed = await _body(request, UpdateFromDistributed, "update")
-    try:
-        specs = make_specs(body.names, [d.removeprefix("torch.") for d in body.dtypes], body.shapes)
-    except (TypeError, ValueError) as e:
-        raise APIError(400, str(e)) from None
-    named = st.receiver.named
-    if named is None or named.group_name != body.group_name:
-        raise APIError(400, f"no weight-update group named {body.group_name!r}: POST /init_weights_update_group "
-                            "first", param="group_name")
-    t0 = time.perf_counter()
-    try:
-        new = await asyncio.to_thread(st.receiver.receive_each, specs, body.version(), True)
-    except PushRejected as e:
-        raise APIError(400, f"weight update rejected, nothing changed: {e}") from None
-    except TransferError as e:
-        raise APIError(409, f"{e}; the old weights still serve; initialise a new group") from None
-    except (TypeError, ValueError, KeyError) as e:
-        raise APIError(400, f"weight update rejected, nothing changed: {e}") from None
-    except RuntimeError as e:
-        raise APIError(409, str(e)) from None
-    if body.flush_cache:
-        await st.run(st.engine.block_manager.reset_prefix_cache)
-    st.counters["weight_updates"] += 1
-    st.counters["last_update_s"] = time.perf_counter() - t0
-    return {"success": True, "message": f"updated {len(specs)} tensors", "policy_version": new}
