@@ -24,17 +24,19 @@ from rollout.api import BackendLimits
 from rollout.config import EngineConfig
 from rollout.engine import loading
 from rollout.engine.block_manager import BlockManager
+from rollout.engine.detokenize import decode_output
 from rollout.engine.runners import build_runner
 from rollout.engine.runners.base import PendingStep, Runner
 from rollout.engine.runners.kv_cache import KVCache
 from rollout.engine.scheduler import Scheduler, SchedulerLimits
 from rollout.engine.sequence import Request, Sequence
 from rollout.engine.stats import EngineStats, StepCounters
-from rollout.engine.stop import truncate_at_stop
 from rollout.engine.tp.runner import TPRunner, TPWeightSync, start_tensor_parallel
 from rollout.engine.tp.workers import TPWorkers
 from rollout.engine.validation import (
+    check_features,
     check_lengths,
+    check_priority,
     check_request_id,
     normalize_params,
     normalize_prompts,
@@ -115,23 +117,30 @@ class Engine:
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: object, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue one request for ``step()`` (online use); returns its id. Bad input raises, nothing queued."""
+                    request_id: str | None = None, priority: int = 0) -> str:
+        """Queue one request for ``step()`` (online use); returns its id. Bad input raises, nothing queued.
+
+        ``priority``: lower is scheduled first among waiting requests (FCFS among equals), vLLM's meaning."""
         params = normalize_params(sampling_params, 1)[0]
+        check_priority(priority)
         ids = self._prepare(prompt, params)
         with self._lock:
-            return self._enqueue(request_id, ids, params, prompt)
+            return self._enqueue(request_id, ids, params, prompt, priority)
 
     def _prepare(self, prompt: object, params: SamplingParams) -> list[int]:
         """Everything about one request that can be refused, checked before anything is queued."""
         ids = to_token_ids(prompt, self.tokenizer, self.model.vocab_size)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens :]
+        check_features(params, self.workers is not None)
         check_lengths(len(ids), params, self.max_model_len, self.kv.num_tokens, self.model.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {params.stop!r} need a tokenizer, and this engine has none; "
                              "use stop_token_ids, or load the model with a tokenizer")
         return ids
 
-    def _enqueue(self, request_id: str | None, ids: list[int], params: SamplingParams, prompt: object) -> str:
+    def _enqueue(self, request_id: str | None, ids: list[int], params: SamplingParams, prompt: object,
+                 priority: int = 0, score_only: bool = False) -> str:
         request_id = uuid.uuid4().hex if request_id is None else check_request_id(request_id)
         if request_id in self.scheduler.requests or request_id in self._claimed:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -141,10 +150,15 @@ class Engine:
         seqs: list[Sequence] = []
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, i, list(ids), len(ids), params, arrival,
-                           parent=seqs[0] if seqs else None, stop_ids=stop_ids)
+                           parent=seqs[0] if seqs else None, stop_ids=stop_ids, priority=priority)
             seq.sample_seed = (base_seed + 0x9E3779B97F4A7C15 * i) & ((1 << 63) - 1)
             seqs.append(seq)
-        self.scheduler.add(Request(request_id, ids, params, seqs, prompt if isinstance(prompt, str) else None))
+        request = Request(request_id, ids, params, seqs, prompt if isinstance(prompt, str) else None,
+                          score_only=score_only)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(ids)
+            request.prompt_top_logprobs = [[] for _ in ids]
+        self.scheduler.add(request)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -226,12 +240,13 @@ class Engine:
             known = seq.token_ids[seq.num_prompt_tokens + skip : seq.num_known_tokens]
             out = CompletionOutput(seq.index, known, seq.logprobs[skip:], seq.finish_reason,
                                    None, seq.policy_versions[skip:], seq.stop_reason)
+            if seq.params.logprobs is not None:
+                out.top_logprobs = seq.top_logprobs[skip : skip + len(known)]
             if self.tokenizer is not None and since is None:
-                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-                if isinstance(seq.stop_reason, str):
-                    out.text = truncate_at_stop(out.text, seq.stop_reason)
+                out.text = decode_output(self.tokenizer, out.token_ids, seq.params, seq.stop_reason)
             outs.append(out)
-        return RequestOutput(request.request_id, request.prompt_token_ids, outs, request.prompt, finished)
+        return RequestOutput(request.request_id, request.prompt_token_ids, outs, request.prompt, finished,
+                             request.prompt_logprobs, request.prompt_top_logprobs)
 
     def generate(self, prompts: object, sampling_params: object = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Run the prompts to completion; outputs in prompt order. Safe to call from several threads

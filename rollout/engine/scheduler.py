@@ -49,8 +49,8 @@ class Scheduler:
         self.limits = limits
         self.block_manager = block_manager
         self.detokenize = detokenize
-        self.waiting: list[Sequence] = []  # sorted by (arrival, seq_id)
-        self.running: list[Sequence] = []  # sorted by (arrival, seq_id)
+        self.waiting: list[Sequence] = []  # sorted by (priority, arrival, seq_id)
+        self.running: list[Sequence] = []  # sorted by (priority, arrival, seq_id)
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}
         self.num_preemptions = 0
@@ -334,7 +334,7 @@ class Scheduler:
 
     @staticmethod
     def _insert(queue: list[Sequence], seq: Sequence) -> None:
-        """Keep ``queue`` sorted by (arrival, seq_id): O(1) for a newcomer (the usual case), else O(log n)."""
+        """Keep ``queue`` sorted by (priority, arrival, seq_id): O(1) for a newcomer (the usual case), else O(log n)."""
         key = _order(seq)
         if not queue or _order(queue[-1]) < key:
             queue.append(seq)
@@ -359,5 +359,5 @@ class Scheduler:
         return len(self.waiting)
 
 
-def _order(seq: Sequence) -> tuple[int, int]:
-    return seq.arrival, seq.seq_id
+def _order(seq: Sequence) -> tuple[int, int, int]:
+    return seq.priority, seq.arrival, seq.seq_id
