@@ -38,6 +38,7 @@ from rollout.engine.validation import (
     check_lengths,
     check_priority,
     check_request_id,
+    check_score_length,
     normalize_params,
     normalize_prompts,
     to_token_ids,
@@ -140,7 +141,7 @@ class Engine:
         return ids
 
     def _enqueue(self, request_id: str | None, ids: list[int], params: SamplingParams, prompt: object,
-                 priority: int = 0, score_only: bool = False) -> str:
+                 priority: int = 0, score_only: bool = False, prompt_lp_start: int = 0) -> str:
         request_id = uuid.uuid4().hex if request_id is None else check_request_id(request_id)
         if request_id in self.scheduler.requests or request_id in self._claimed:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -152,9 +153,10 @@ class Engine:
             seq = Sequence(next(self._seq_ids), request_id, i, list(ids), len(ids), params, arrival,
                            parent=seqs[0] if seqs else None, stop_ids=stop_ids, priority=priority)
             seq.sample_seed = (base_seed + 0x9E3779B97F4A7C15 * i) & ((1 << 63) - 1)
+            if i == 0 and params.prompt_logprobs is not None:
+                seq.prompt_lp_start, seq.score_only = prompt_lp_start, score_only
             seqs.append(seq)
-        request = Request(request_id, ids, params, seqs, prompt if isinstance(prompt, str) else None,
-                          score_only=score_only)
+        request = Request(request_id, ids, params, seqs, prompt if isinstance(prompt, str) else None)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(ids)
             request.prompt_top_logprobs = [[] for _ in ids]
@@ -268,11 +270,56 @@ class Engine:
                 raise RuntimeError("the engine is asleep (sleep() was called); call wake_up() before generate()")
             rids = [self._enqueue(None, x, p, prompt) for x, p, prompt in zip(ids, params, prompts)]
             self._claimed.update((r, None) for r in rids)
+        return self._wait(rids, use_tqdm, "generate")
+
+    def score(self, sequences: object, logprob_start_len: int = 0, top_logprobs: int = 0,
+              sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Teacher-forced logprobs of token sequences, batched through the engine's own prefill and kernels.
+
+        Returns one ``RequestOutput`` per sequence (in order, no completions): ``prompt_logprobs[i]`` is token
+        i's logprob given the tokens before it (None for token 0 and before ``logprob_start_len``), and
+        ``prompt_top_logprobs[i]`` its ``top_logprobs`` most likely alternatives. The distribution is the one
+        generation scores its tokens with: ``sampling_params``' temperature (0: greedy, T = 1),
+        ``logprobs_mode`` and filters (default T = 1, ``policy``), so scoring prompt + completion of a
+        generation gives back that generation's logprobs. Cached prefix blocks are reused up to
+        ``logprob_start_len`` (tokens before it need no logits), and the scored blocks are cached in turn.
+        """
+        seqs = normalize_prompts(sequences)
+        if isinstance(logprob_start_len, bool) or not isinstance(logprob_start_len, int) or logprob_start_len < 0:
+            raise ValueError(f"logprob_start_len must be an int >= 0, got {logprob_start_len!r}")
+        base = normalize_params(sampling_params, 1)[0]
+        params = dataclasses.replace(base, n=1, max_tokens=1, min_tokens=0, logprobs=None,
+                                     prompt_logprobs=top_logprobs or 0)  # validates it as prompt_logprobs
+        check_features(params, self.workers is not None)
+        params.check_vocab(self.model.vocab_size)
+        ids = []
+        for i, seq in enumerate(seqs):
+            try:
+                x = to_token_ids(seq, self.tokenizer, self.model.vocab_size)
+                check_score_length(len(x), self.max_model_len, self.kv.num_tokens)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"sequence {i}: {e}") from None
+            ids.append(x)
+        if not ids:
+            return []
+        with self._lock:
+            if not self.kv.allocated:
+                raise RuntimeError("the engine is asleep (sleep() was called); call wake_up() before score()")
+            rids = [self._enqueue(None, x, params, None, score_only=True, prompt_lp_start=logprob_start_len)
+                    for x in ids]
+            self._claimed.update((r, None) for r in rids)
+        outs = self._wait(rids, use_tqdm, "score")
+        for out in outs:
+            out.outputs = []
+        return outs
+
+    def _wait(self, rids: list[str], use_tqdm: bool, desc: str) -> list[RequestOutput]:
+        """Step until every claimed request is done; on an error abort the rest (the engine stays consistent)."""
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(rids), desc="generate", unit="req")
+            bar = tqdm(total=len(rids), desc=desc, unit="req")
         try:
             while True:
                 with self._lock:

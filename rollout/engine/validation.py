@@ -101,7 +101,16 @@ def check_features(params: SamplingParams, tensor_parallel: bool) -> None:
             if getattr(params, name) != off:
                 raise ValueError(f"{name}={getattr(params, name)} is not supported with tensor_parallel_size > 1; "
                                  f"allowed: {off} (off)")
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(params, name):
-                raise ValueError(f"{name}={getattr(params, name)} is not supported with tensor_parallel_size > 1; "
-                                 "allowed: None or 0")
+        if params.logprobs:
+            raise ValueError(f"logprobs={params.logprobs} is not supported with tensor_parallel_size > 1; "
+                             "allowed: None or 0 (the sampled token's logprob always comes back)")
+        if params.prompt_logprobs is not None:
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} (and scoring) is not supported with "
+                             "tensor_parallel_size > 1; allowed: None")
+
+
+def check_score_length(num_tokens: int, max_model_len: int, max_kv_tokens: int) -> None:
+    if num_tokens > max_model_len:
+        raise ValueError(f"sequence has {num_tokens} tokens; allowed: at most max_model_len {max_model_len}")
+    if num_tokens > max_kv_tokens:
+        raise ValueError(f"sequence has {num_tokens} tokens; the KV cache holds {max_kv_tokens}")

@@ -182,7 +182,7 @@ def mode_logprobs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 def top_logprobs(logits: torch.Tensor, st: SamplingTensors, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's k most likely tokens in its ``logprobs_mode``, descending: (ids [N, k] int64, [N, k] float32)."""
-    values, ids = mode_logprobs(logits, st).topk(k, dim=-1)
+    values, ids = mode_logprobs(logits, st).topk(min(k, logits.shape[-1]), dim=-1)
     return ids, values
 
 
