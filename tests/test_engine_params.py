@@ -275,3 +275,14 @@ def test_skip_and_space_special_tokens(text_engine):
     out = text_engine.generate(["hi"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
                                                       skip_special_tokens=False))[0].outputs[0]
     assert out.text == decode_output(tok, out.token_ids, SamplingParams(skip_special_tokens=False), None)
+
+
+def test_top_logprobs_with_penalties_are_the_penalised_distribution(engine, hf):
+    """Greedy with penalties: the top alternative is the token drawn, with the logprob it came with (the
+    alternatives are taken before this step's token is counted)."""
+    prompt = random_prompts(1, hf.config.vocab_size, seed=11)[0]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3, frequency_penalty=2.0,
+                        presence_penalty=1.0, repetition_penalty=1.5)
+    c = engine.generate([prompt], sp)[0].outputs[0]
+    for tok, lp, top in zip(c.token_ids, c.logprobs, c.top_logprobs):
+        assert top[0][0] == tok and abs(top[0][1] - lp) <= 1e-5

@@ -116,10 +116,10 @@ def forward_and_sample(model: torch.nn.Module, kv_layers: list[torch.Tensor], at
     # Under tensor parallelism the logits are this rank's vocabulary slice; at one rank this is ``sample``.
     tokens, lps = sample_vocab_parallel(logits, sampling, model.tp, model.vocab_start)
     out = StepOut(tokens, lps, prompt=pl)
+    if sampling.num_top_logprobs:  # before the counts change: the distribution the token was drawn from
+        out.top_ids, out.top_lps = top_logprobs(logits, sampling, sampling.num_top_logprobs)
     if sampling.penalties is not None and count:
         count_samples(sampling.penalties, tokens)
-    if sampling.num_top_logprobs:
-        out.top_ids, out.top_lps = top_logprobs(logits, sampling, sampling.num_top_logprobs)
     return out
 
 

@@ -15,7 +15,8 @@ import torch
 from rollout.engine.runners.inputs import PromptInputs
 from rollout.layers.sampler import MODE_RAW, SamplingTensors, mode_logprobs
 
-CHUNK = 4096
+CHUNK = 4096  # rows per lm_head call (bf16 logits: 1.2 GiB at qwen2.5's vocabulary)
+FILTERED_CHUNK = 256  # processed logprobs under filters build several float32 [rows, vocab] tensors
 
 
 @dataclass(slots=True)
@@ -82,8 +83,9 @@ def compute_prompt_logprobs(model: torch.nn.Module, hidden: torch.Tensor, pr: Pr
     out = torch.empty(n, dtype=torch.float32, device=device)
     top_ids = torch.empty(n, k, dtype=torch.int64, device=device) if k else None
     top_lps = torch.empty(n, k, dtype=torch.float32, device=device) if k else None
-    for a in range(0, n, CHUNK):
-        b = min(n, a + CHUNK)
+    step = FILTERED_CHUNK if filt else CHUNK
+    for a in range(0, n, step):
+        b = min(n, a + step)
         h = hidden[idx[a:b]]
         if filt:  # processed logprobs under top-k / top-p / min-p: the sampler's whole distribution
             logits = model.compute_logits(h)
