@@ -82,7 +82,8 @@ def apply_penalties(x: torch.Tensor, pen: Penalties) -> torch.Tensor:
 def count_samples(pen: Penalties, tokens: torch.Tensor) -> None:
     """Add this step's samples to their rows' output counts, on the device (no host round trip)."""
     on = (pen.repetition != 1) | (pen.presence != 0) | (pen.frequency != 0)
-    pen.hist.index_put_((pen.rows, tokens), (on.to(torch.int32) * 2), accumulate=True)
+    flat = pen.rows * pen.hist.shape[1] + tokens  # scatter_add: atomics, no sort, capturable in a CUDA graph
+    pen.hist.view(-1).scatter_add_(0, flat, on.to(torch.int32) * 2)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
