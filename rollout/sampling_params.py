@@ -49,6 +49,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
     stop_set: frozenset[int] = field(default=frozenset(), init=False, repr=False)
+    has_penalties: bool = field(default=False, init=False, repr=False)  # set by validate (read every step)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -114,6 +115,8 @@ class SamplingParams:
             if longest > MAX_STOP_CHARS:
                 raise ValueError(f"a stop string has {longest} characters; allowed: at most {MAX_STOP_CHARS}")
         self.stop_set = frozenset(self.stop_token_ids or ())
+        self.has_penalties = (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                              or self.frequency_penalty != 0.0)
 
     def check_vocab(self, vocab_size: int) -> None:
         """The bounds that depend on the model: ``top_k`` and ``stop_token_ids`` within its vocabulary."""
@@ -123,10 +126,6 @@ class SamplingParams:
         for t in self.stop_token_ids or ():
             if t >= vocab_size:
                 raise ValueError(f"stop_token_ids entry {t} is outside the vocabulary; allowed: [0, {vocab_size})")
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def num_top_logprobs(self) -> int:

@@ -286,3 +286,16 @@ def test_top_logprobs_with_penalties_are_the_penalised_distribution(engine, hf):
     c = engine.generate([prompt], sp)[0].outputs[0]
     for tok, lp, top in zip(c.token_ids, c.logprobs, c.top_logprobs):
         assert top[0][0] == tok and abs(top[0][1] - lp) <= 1e-5
+
+
+def test_prompt_logprobs_after_a_prefix_hit_and_with_n(hf):
+    """A cached prompt is computed again where logprobs are wanted; every sample shares one prompt_logprobs."""
+    eng = make_engine(hf, block_size=4)
+    prompt = random_prompts(1, hf.config.vocab_size, lo=26, hi=27, seed=12)[0]
+    eng.generate([prompt], SamplingParams(max_tokens=2, seed=0))  # caches the prompt's blocks
+    out = eng.generate([prompt], SamplingParams(n=2, max_tokens=3, seed=1, prompt_logprobs=0, logprobs=1))[0]
+    ref = hf_logprobs(hf, prompt[:1], prompt[1:])
+    want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert torch.allclose(torch.tensor(out.prompt_logprobs[1:]), want, atol=1e-4)
+    assert out.prompt_top_logprobs[1:] == [[]] * (len(prompt) - 1)
+    assert [len(c.top_logprobs) for c in out.outputs] == [3, 3]
