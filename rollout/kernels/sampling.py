@@ -48,7 +48,7 @@ def _penalize(x, hist_row, offs, mask, rep, pres, freq, PEN: tl.constexpr):
 def _load_one(row_ptr, i, inv, hist_row, rep, pres, freq, PEN: tl.constexpr):
     """(x, s) of one token: its raw logit and its penalised, scaled one."""
     x = tl.load(row_ptr + i).to(tl.float32)
-    return x, _penalize(x, hist_row, i, True, rep, pres, freq, PEN) * inv
+    return x, _penalize(x, hist_row, i, i >= 0, rep, pres, freq, PEN) * inv
 
 
 @triton.jit
