@@ -299,3 +299,22 @@ def test_prompt_logprobs_after_a_prefix_hit_and_with_n(hf):
     assert torch.allclose(torch.tensor(out.prompt_logprobs[1:]), want, atol=1e-4)
     assert out.prompt_top_logprobs[1:] == [[]] * (len(prompt) - 1)
     assert [len(c.top_logprobs) for c in out.outputs] == [3, 3]
+
+
+def test_async_engine_passes_priority_through(hf):
+    from rollout.engine.async_engine import AsyncEngine
+
+    loop = AsyncEngine(make_engine(hf, max_num_seqs=1))
+    order = []
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    futs = [loop.submit([1, 2, 3], sp, request_id=name, priority=prio)
+            for name, prio in (("a", 3), ("b", -2), ("c", 0))]
+    for f in futs:
+        f.add_done_callback(lambda f: order.append(f.result().request_id))
+    loop.start()
+    try:
+        for f in futs:
+            f.result(timeout=60)
+    finally:
+        loop.close()
+    assert order == ["b", "c", "a"]
