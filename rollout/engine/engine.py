@@ -29,6 +29,7 @@ from rollout.engine.runners import build_runner
 from rollout.engine.runners.base import PendingStep, Runner
 from rollout.engine.runners.kv_cache import KVCache
 from rollout.engine.scheduler import Scheduler, SchedulerLimits
+from rollout.engine.scoring import prepare_score
 from rollout.engine.sequence import Request, Sequence
 from rollout.engine.stats import EngineStats, StepCounters
 from rollout.engine.tp.runner import TPRunner, TPWeightSync, start_tensor_parallel
@@ -38,7 +39,6 @@ from rollout.engine.validation import (
     check_lengths,
     check_priority,
     check_request_id,
-    check_score_length,
     normalize_params,
     normalize_prompts,
     to_token_ids,
@@ -284,22 +284,9 @@ class Engine:
         generation gives back that generation's logprobs. Cached prefix blocks are reused up to
         ``logprob_start_len`` (tokens before it need no logits), and the scored blocks are cached in turn.
         """
-        seqs = normalize_prompts(sequences)
-        if isinstance(logprob_start_len, bool) or not isinstance(logprob_start_len, int) or logprob_start_len < 0:
-            raise ValueError(f"logprob_start_len must be an int >= 0, got {logprob_start_len!r}")
-        base = normalize_params(sampling_params, 1)[0]
-        params = dataclasses.replace(base, n=1, max_tokens=1, min_tokens=0, logprobs=None,
-                                     prompt_logprobs=top_logprobs or 0)  # validates it as prompt_logprobs
-        check_features(params, self.workers is not None)
-        params.check_vocab(self.model.vocab_size)
-        ids = []
-        for i, seq in enumerate(seqs):
-            try:
-                x = to_token_ids(seq, self.tokenizer, self.model.vocab_size)
-                check_score_length(len(x), self.max_model_len, self.kv.num_tokens)
-            except (ValueError, TypeError) as e:
-                raise type(e)(f"sequence {i}: {e}") from None
-            ids.append(x)
+        ids, params = prepare_score(sequences, logprob_start_len, top_logprobs, sampling_params, self.tokenizer,
+                                    self.model.vocab_size, self.max_model_len, self.kv.num_tokens,
+                                    self.workers is not None)
         if not ids:
             return []
         with self._lock:

@@ -108,9 +108,3 @@ def check_features(params: SamplingParams, tensor_parallel: bool) -> None:
             raise ValueError(f"prompt_logprobs={params.prompt_logprobs} (and scoring) is not supported with "
                              "tensor_parallel_size > 1; allowed: None")
 
-
-def check_score_length(num_tokens: int, max_model_len: int, max_kv_tokens: int) -> None:
-    if num_tokens > max_model_len:
-        raise ValueError(f"sequence has {num_tokens} tokens; allowed: at most max_model_len {max_model_len}")
-    if num_tokens > max_kv_tokens:
-        raise ValueError(f"sequence has {num_tokens} tokens; the KV cache holds {max_kv_tokens}")
