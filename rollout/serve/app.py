@@ -21,7 +21,7 @@ from rollout.serve.state import ServerState, state
 
 def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str | None = None) -> FastAPI:
     """The app; its lifespan starts the engine loop thread and stops it on shutdown."""
-    loop = AsyncEngine(engine)
+    loop = AsyncEngine(engine, stream_interval_s=config.server.stream_interval_s)
     st = ServerState(engine, loop, model_name, config.sampling, config.server.max_n or engine.config.max_num_seqs,
                      model_path, settings=config.server)
 

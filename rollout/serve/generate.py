@@ -15,7 +15,7 @@ from rollout.serve.errors import APIError
 from rollout.serve.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
 from rollout.serve.responses import Render, chat_body, completion_body
 from rollout.serve.state import ServerState, state
-from rollout.serve.streaming import StreamFeed, stream_events
+from rollout.serve.streaming import StreamChunks, StreamFeed, stream_events
 
 router = APIRouter()
 
@@ -146,8 +146,9 @@ async def _disconnected(request: Request) -> None:
 
 def _stream(st: ServerState, req: Any, ids: list[list[int]], params: Any, render: Render, chat: bool
             ) -> StreamingResponse:
-    feed = StreamFeed(asyncio.get_running_loop(), st.settings.stream_buffer_tokens)
+    chunks = StreamChunks(req, len(ids), params.n, st.model_name, render, chat)
+    feed = StreamFeed(st.poster(), st.settings.stream_buffer_tokens, chunks)
     rids, _ = _submit(st, ids, params, feed)
     feed.on_overflow = lambda: _abort(st, rids)
-    events = stream_events(req, feed, len(ids), params.n, st.model_name, render, chat, feed.on_overflow, st.text)
+    events = stream_events(req, feed, len(ids))
     return StreamingResponse(events, media_type="text/event-stream")

@@ -19,6 +19,7 @@ from rollout.engine.async_engine import AsyncEngine
 from rollout.engine.validation import check_lengths, to_token_ids
 from rollout.serve.config import ServerConfig
 from rollout.serve.errors import APIError
+from rollout.serve.streaming import LoopPoster
 from rollout.settings.schema import SamplingConfig
 from rollout.weights.receiver import WeightReceiver
 
@@ -35,6 +36,7 @@ class ServerState:
     receiver: WeightReceiver = field(init=False)
     text_pool: ThreadPoolExecutor = field(init=False)
     counters: dict[str, float] = field(default_factory=lambda: {"weight_updates": 0, "last_update_s": 0.0})
+    _poster: LoopPoster | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         # pushes are applied in the engine loop thread, at a step boundary
@@ -90,6 +92,12 @@ class ServerState:
         if held + num_seqs > cap:
             raise APIError(429, f"the server holds {held} sequences and this request adds {num_seqs}, over its cap "
                                 f"of {cap} (server.max_queued_sequences); retry later", headers={"Retry-After": "1"})
+
+    def poster(self) -> LoopPoster:
+        """Posts streams' events onto the event loop (one wake-up per batch); made on the running loop."""
+        if self._poster is None:
+            self._poster = LoopPoster(asyncio.get_running_loop())
+        return self._poster
 
     async def text(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` in a text worker (tokenizer, template, detokenizer, body rendering) and await it."""
