@@ -318,3 +318,35 @@ def test_async_engine_passes_priority_through(hf):
     finally:
         loop.close()
     assert order == ["b", "c", "a"]
+
+
+def test_penalty_rows_build_reuse_and_free():
+    """The device-side counts: built from the host's known tokens, kept while the sequence samples, counted
+    on the device, freed when it leaves a step (and rebuilt from its tokens when it comes back)."""
+    from rollout.engine.plan import SeqPlan
+    from rollout.engine.runners.penalties import PenaltyRows
+    from rollout.layers.sampler import Penalties, count_samples
+
+    pr = PenaltyRows(4, 10, torch.device("cpu"))
+
+    def plan(seq_id, history, pen=(1.2, 0.0, 0.0)):
+        return SeqPlan(seq_id, [0], 0, [], True, penalties=pen, history=history, num_prompt_tokens=2)
+
+    a, b, c = plan(0, [1, 2, 3, 3, -1]), plan(1, [4, 4, -1]), plan(2, [5, 6, -1], pen=None)
+    rows, new = pr.assign([a, b, c])
+    assert rows[2] == pr.zero_row and {r for _, r in new} == set(rows[:2])
+    hist = pr.build(new)
+    assert hist[rows[0]].tolist() == [0, 1, 1, 4, 0, 0, 0, 0, 0, 0]  # prompt 1, 2; output 3 twice; -1 in flight
+    assert hist[rows[1]].tolist() == [0, 0, 0, 0, 1, 0, 0, 0, 0, 0]
+    settings = torch.tensor([1.2, 1.2, 1.0])
+    pen = Penalties(hist, torch.tensor(rows), settings, torch.zeros(3), torch.zeros(3))
+    count_samples(pen, torch.tensor([7, 4, 9]))
+    assert hist[rows[0], 7] == 2 and hist[rows[1], 4] == 3 and not hist[pr.zero_row].any()
+    again, new = pr.assign([a, b])
+    assert again == rows[:2] and new == []  # known sequences: no rebuild
+    only_b, new = pr.assign([b])
+    assert only_b == [rows[1]] and new == []  # a left the step: its row is free again
+    back, new = pr.assign([plan(0, [1, 2, 3, 3, 7, -1]), b])
+    assert [r for _, r in new] == [back[0]]
+    pr.build(new)
+    assert hist[back[0]].tolist() == [0, 1, 1, 4, 0, 0, 0, 2, 0, 0]

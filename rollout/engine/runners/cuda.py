@@ -37,6 +37,8 @@ from rollout.engine.runners.penalties import PenaltyRows
 from rollout.engine.runners.prompt_logprobs import PromptLogprobs
 from rollout.layers.sampler import Penalties
 
+_NO_PENALTIES = (1.0, 0.0, 0.0)
+
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
@@ -240,11 +242,9 @@ class CudaRunner:
         hist_row, rep, pres, freq = v("hist_row"), v("repetition"), v("presence"), v("frequency")
         hist_row[:n_rows], rep[:n_rows], pres[:n_rows], freq[:n_rows] = self.penalties.zero_row, 1.0, 0.0, 0.0
         if rows:
-            settings = [sp.penalties or (1.0, 0.0, 0.0) for sp in h.sample_plans]
-            hist_row[rows] = pen_rows
-            rep[rows] = [x[0] for x in settings]
-            pres[rows] = [x[1] for x in settings]
-            freq[rows] = [x[2] for x in settings]
+            at = slice(rows[0], rows[0] + len(rows)) if rows[-1] - rows[0] + 1 == len(rows) else rows
+            hist_row[at] = pen_rows
+            rep[at], pres[at], freq[at] = zip(*[sp.penalties or _NO_PENALTIES for sp in h.sample_plans])
 
     # ---- device side -------------------------------------------------------------------------
     def _copy_blocks(self, slot: IOSlot, n: int) -> None:

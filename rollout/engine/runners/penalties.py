@@ -29,6 +29,10 @@ class PenaltyRows:
 
     def assign(self, plans: list[SeqPlan]) -> tuple[list[int], list[tuple[SeqPlan, int]]]:
         """Host side: each sampling row's history row (the zero row without penalties), and the rows to build."""
+        get, zero = self._rows.get, self.zero_row
+        rows = [zero if sp.penalties is None else get(sp.seq_id, -1) for sp in plans]
+        if -1 not in rows and len(self._rows) == len(rows) - rows.count(zero):
+            return rows, []  # the usual decode step: every sequence known, none gone
         present = {sp.seq_id for sp in plans if sp.penalties is not None}
         for seq_id in [s for s in self._rows if s not in present]:
             self._free.append(self._rows.pop(seq_id))
