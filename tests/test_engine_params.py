@@ -350,3 +350,18 @@ def test_penalty_rows_build_reuse_and_free():
     assert [r for _, r in new] == [back[0]]
     pr.build(new)
     assert hist[back[0]].tolist() == [0, 1, 1, 4, 0, 0, 0, 2, 0, 0]
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_prompt_logprobs_across_prefill_chunks(hf, async_mode):
+    """Chunked prefill: the last position of a chunk scores the first token of the next one."""
+    eng = make_engine(hf, block_size=4, max_num_batched_tokens=7, async_mode=async_mode)
+    seqs = random_prompts(3, hf.config.vocab_size, lo=18, hi=30, seed=13)
+    scored = eng.score(seqs, top_logprobs=1)
+    gen = eng.generate(seqs[:1], SamplingParams(max_tokens=2, seed=0, prompt_logprobs=0))[0]
+    for seq, out in zip(seqs, scored):
+        ref = hf_logprobs(hf, seq[:1], seq[1:])
+        want = ref[torch.arange(len(seq) - 1), torch.tensor(seq[1:])]
+        assert torch.allclose(torch.tensor(out.prompt_logprobs[1:]), want, atol=1e-4)
+        assert [t[0][0] for t in out.prompt_top_logprobs[1:]] == ref.argmax(-1).tolist()
+    assert torch.allclose(torch.tensor(gen.prompt_logprobs[1:]), torch.tensor(scored[0].prompt_logprobs[1:]), atol=1e-5)
