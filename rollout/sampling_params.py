@@ -25,6 +25,12 @@ class SamplingParams:
     ``policy`` (default) is log softmax(logits / T) over the whole vocabulary in float32, the
     number an RL trainer recomputes; ``processed`` is the log-probability under the distribution
     actually sampled from (after top-k / top-p / min-p); ``raw`` uses T = 1. Greedy uses T = 1.
+
+    Penalties (vLLM's): ``repetition_penalty`` divides positive / multiplies negative logits of tokens seen
+    in the prompt or output; ``presence_penalty`` and ``frequency_penalty`` subtract per output token seen /
+    per occurrence. They act on the logits before temperature; ``raw`` logprobs stay the model's own.
+    ``logprobs=k`` adds the k most likely tokens per generated token (of the distribution ``logprobs_mode``
+    names); ``prompt_logprobs=k`` scores every prompt token under that same distribution, plus k alternatives.
     """
 
     n: int = 1
