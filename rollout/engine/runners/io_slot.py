@@ -80,6 +80,7 @@ class IOSlot:
             self.out_top_lps = torch.zeros(n, k, dtype=torch.float32, device=self.device)
             self.host_top_ids = torch.zeros(n, k, dtype=torch.int64, pin_memory=True)
             self.host_top_lps = torch.zeros(n, k, dtype=torch.float32, pin_memory=True)
+            torch.cuda.synchronize(self.device)  # zeroed before any stream uses them (once per slot)
 
     def host_view(self, name: str) -> np.ndarray:
         group, (off, n) = self._find(name)
