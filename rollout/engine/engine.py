@@ -247,8 +247,9 @@ class Engine:
             if self.tokenizer is not None and since is None:
                 out.text = decode_output(self.tokenizer, out.token_ids, seq.params, seq.stop_reason)
             outs.append(out)
+        plp, ptop = request.prompt_logprobs, request.prompt_top_logprobs  # copies: a running request's still fill
         return RequestOutput(request.request_id, request.prompt_token_ids, outs, request.prompt, finished,
-                             request.prompt_logprobs, request.prompt_top_logprobs)
+                             None if plp is None else list(plp), None if ptop is None else list(ptop))
 
     def generate(self, prompts: object, sampling_params: object = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Run the prompts to completion; outputs in prompt order. Safe to call from several threads
