@@ -31,6 +31,7 @@ class ServerConfig:
     max_body_mib: int = 64  # larger request bodies get 413
     torch_threads: int | None = 1  # as rollout.torch_threads: 1 is fastest for tiny CPU models
     log_level: str = "warning"
+    log_stats_s: float = 5.0  # one stats line this often while busy (throughput, queue, KV, version); 0 = never
     # security (README "Security"): who may call, what the admin surface reaches
     api_key: str | None = None  # Bearer key for every route but GET /health; null = $ROLLOUT_API_KEY, else none
     admin: bool = True  # false: the weight, pause, sleep and reset routes do not exist (404)
@@ -66,6 +67,7 @@ class ServerConfig:
             _int("server.torch_threads", self.torch_threads, lo=1, allowed="an int >= 1 or null")
         if self.log_level not in LOG_LEVELS:
             _fail("server.log_level", self.log_level, f"one of {list(LOG_LEVELS)}")
+        check_num("server.log_stats_s", self.log_stats_s, lo=0.0, allowed="a number of seconds >= 0 (0 = never)")
         check_opt_str("server.api_key", self.api_key)
         check_bool("server.admin", self.admin)
         check_bool("server.allow_request_chat_template", self.allow_request_chat_template)

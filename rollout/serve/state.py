@@ -57,24 +57,26 @@ class ServerState:
                                 f"{self.settings.max_chars_per_token})", param=param,
                            code="context_length_exceeded")
 
-    async def prompt_ids(self, prompts: list[Any], params: Any) -> list[list[int]]:
+    async def prompt_ids(self, prompts: list[Any], params: Any, truncate: int | None = None) -> list[list[int]]:
         """Token ids for every prompt, all checked before any is queued (400 naming the prompt); strings are
-        bounded by length first, then tokenized in the text workers."""
+        bounded by length first, then tokenized in the text workers. ``truncate`` (vLLM's
+        ``truncate_prompt_tokens``) keeps each prompt's last that many tokens."""
         if len(prompts) > self.settings.max_prompts_per_request:
             raise APIError(400, f"{len(prompts)} prompts in one request; allowed: at most "
                                 f"{self.settings.max_prompts_per_request} (server.max_prompts_per_request)",
                            param="prompt")
         for i, p in enumerate(prompts):
-            if isinstance(p, str):
+            if isinstance(p, str) and truncate is None:
                 self.check_chars(len(p), f"prompt {i}" if len(prompts) > 1 else "prompt")
-        return await self.text(self._encode, prompts, params)
+        return await self.text(self._encode, prompts, params, truncate)
 
-    def _encode(self, prompts: list[Any], params: Any) -> list[list[int]]:
+    def _encode(self, prompts: list[Any], params: Any, truncate: int | None = None) -> list[list[int]]:
         e = self.engine
         out = []
         for i, p in enumerate(prompts):
             try:
                 ids = to_token_ids(p, e.tokenizer, e.model.vocab_size)
+                ids = ids[-truncate:] if truncate else ids
                 check_lengths(len(ids), params, e.max_model_len, e.kv.num_tokens, e.model.vocab_size)
             except (TypeError, ValueError) as err:
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
