@@ -134,6 +134,22 @@ def test_logprobs_5_gives_5_alternatives_from_the_same_distribution(env):
         assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
 
 
+def test_streamed_top_logprobs_equal_the_whole_answer(env):
+    """Streams carry the alternatives too (before: a 400, since the engine's deltas had none)."""
+    kw = dict(model=env.model, prompt=_prompt(seed=3), max_tokens=8, temperature=0, logprobs=4,
+              extra_body={"return_tokens_as_token_ids": True})
+    whole = env.client.completions.create(**kw).choices[0].logprobs
+    tops = [t for chunk in env.client.completions.create(stream=True, **kw) for c in chunk.choices
+            if c.logprobs is not None for t in c.logprobs.top_logprobs]
+    assert len(tops) == 8 and all(len(t) == 4 for t in tops)
+    assert [sorted(t) for t in tops] == [sorted(t) for t in whole.top_logprobs]
+    chat = dict(model=env.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
+                logprobs=True, top_logprobs=2)
+    entries = [e for chunk in env.client.chat.completions.create(stream=True, **chat) for c in chunk.choices
+               if c.logprobs is not None for e in c.logprobs.content]
+    assert len(entries) == 4 and all(len(e.top_logprobs) == 2 for e in entries)
+
+
 def test_prompt_logprobs_of_a_generation_give_back_its_logprobs(env):
     prompt = _prompt(8, seed=2)
     gen = env.client.completions.create(model=env.model, prompt=prompt, max_tokens=6, logprobs=0, seed=1,
