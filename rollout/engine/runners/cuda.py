@@ -15,7 +15,6 @@ one memory pool (graphs never run concurrently, so two slots cost about one).
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +28,7 @@ from rollout.engine.runners.base import (
     make_metadata,
     make_sampling,
 )
-from rollout.engine.runners.graphs import graph_sizes
+from rollout.engine.runners.graphs import graph_sizes, padded_size
 from rollout.engine.runners.inputs import HostInputs, build_host_inputs
 from rollout.engine.runners.io_slot import IOSlot, SlotShape
 from rollout.engine.runners.kv_cache import KVCache
@@ -46,6 +45,7 @@ class StepRecord:
     batch: int
     kv_tokens: int
     compute_ms: float
+    graph_b: int = 0  # padded size of the replayed decode graph; 0 = eager
 
 
 @dataclass(slots=True)
@@ -68,6 +68,7 @@ class CudaPendingStep:
     clock: StepClock
     h: HostInputs | None = None  # kept when the step returns top logprobs
     prompt: PromptLogprobs | None = None  # host copies, landed with d2h_done
+    graph_b: int = 0  # padded size of the replayed decode graph; 0 = eager
 
     def result(self) -> SampleResult:
         slot = self.slot
@@ -76,7 +77,8 @@ class CudaPendingStep:
         ms = slot.compute_start.elapsed_time(slot.compute_end)
         self.clock.total_ms += ms
         if self.clock.record_steps:
-            self.clock.records.append(StepRecord(self.decode, self.batch, self.plan.num_context_tokens, ms))
+            rec = StepRecord(self.decode, self.batch, self.plan.num_context_tokens, ms, self.graph_b)
+            self.clock.records.append(rec)
         res = SampleResult(self.plan.step_id, [toks[r] for r in self.rows], [lps[r] for r in self.rows])
         if self.h is not None:
             res.top_logprobs = host_top(slot.host_top_ids.tolist(), slot.host_top_lps.tolist(), self.rows,
@@ -163,7 +165,7 @@ class CudaRunner:
             slot.d2h_done.record(self.d2h)
         slot.used = True
         self._last_rows = dict(zip(h.sample_seq_ids, rows))
-        return CudaPendingStep(plan, slot, rows, decode, b, self.clock, h if variant[4] else None, prompt)
+        return CudaPendingStep(plan, slot, rows, decode, b, self.clock, h if variant[4] else None, prompt, graph_b)
 
     @property
     def compute_seconds(self) -> float | None:
@@ -180,8 +182,7 @@ class CudaRunner:
             return 0
         if any(len(s) > self.shape.max_suppress for s in h.suppress):
             return 0
-        i = bisect.bisect_left(self.graph_sizes, len(h.input_ids))
-        return self.graph_sizes[i] if i < len(self.graph_sizes) else 0
+        return padded_size(self.graph_sizes, len(h.input_ids))
 
     def _fill(self, slot: IOSlot, h: HostInputs, graph_b: int, copies: list[tuple[int, int]],
               pen_rows: list[int] | None) -> list[int]:
