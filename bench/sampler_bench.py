@@ -190,7 +190,7 @@ def main() -> None:
     engine = Engine.from_pretrained(hf, dtype="bfloat16", max_model_len=args.prompt_len + args.new + 16,
                                     num_blocks=blocks, max_num_seqs=args.seqs)  # fmt: skip
     engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    import rollout.engine.runners.base as runner_mod  # forward_and_sample calls its ``sample``
+    import rollout.layers.parallel_sampler as runner_mod  # forward_and_sample samples through its ``sample``
 
     engine_sample = runner_mod.sample  # dispatches CUDA logits to the fused kernel
     for impl in ("fused", "torch") if args.compare_torch else ("fused",):
