@@ -394,5 +394,5 @@ class Engine:
                                c.kv_usage, s.num_first_tokens, s.num_started_prompt_tokens, s.num_prefix_cached_tokens,
                                s.num_swap_outs,
                                s.num_swapped_out_blocks, s.num_swapped_out_blocks * self.kv.block_bytes,
-                               s.num_swap_ins)
+                               s.num_swap_ins, num_prefill_tokens=s.num_prefill_tokens)
 

@@ -48,6 +48,10 @@ class Sequence:
     parent: Sequence | None = None  # sample 0 of the request, whose prompt blocks a sibling forks
     sample_seed: int = 0  # with the output position, fixes every random draw of this sequence
     stop_ids: tuple[int, ...] = ()  # EOS and stop_token_ids: masked before min_tokens, stop after
+    # Multi-turn (engine/turns.py): a turn's end parks the sequence with its KV instead of freeing it.
+    keep_kv: bool = False
+    park_step: int = -1  # the newest step planned when it parked: samples of steps <= it are stale
+    decode_pos: int = -1  # index of the newest sampled token: computing it is decode, not prefill
 
     @property
     def num_tokens(self) -> int:
