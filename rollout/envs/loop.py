@@ -1,0 +1,355 @@
+"""The environment loop: many conversations on one engine, each turn continuing from its resident KV.
+
+``EnvLoop.run`` starts one environment per row (``reset`` first), then steps the engine. When a conversation's
+turn ends its environment is called *off the engine thread* (sync methods in a thread pool, ``async def`` ones on
+an asyncio loop) while every other conversation keeps decoding; the reply is rendered with the chat template in
+the pool and appended to the same sequence (``Conversations.resume``: prefill tokens, logprob 0.0, env_mask 0).
+
+Faults stay in their own conversation (each documented as the row it gives):
+
+- a tool that raises: its message is the tool's result, ``{'error': '...'}`` as TRL renders it; ``tool_failures``
+  counts it and the conversation continues. The same for an unknown tool or a malformed call.
+- a tool that does not return within ``tool_timeout_s``: ``{'error': 'timed out after N s'}`` (a failure); the
+  call is abandoned (an ``async`` one cancelled; a sync one keeps its pool thread until it returns, and the pool
+  is replaced when half its threads are held by abandoned calls).
+- a result longer than ``max_tool_result_chars``: cut there, ending with ``[... truncated: N of M characters
+  shown]``.
+- ``reset`` (or ``step``, or ``get_reward``) raising or timing out: the conversation ends with
+  ``finish_reason="env_error"`` and ``error`` naming the method and the exception (reward None).
+- a reply that would not fit ``max_model_len`` (or the KV capacity) with one more model token, or a turn that
+  fills it: ``finish_reason="length"``; the reply is not appended.
+- a tool conversation ends (``"stop"``) at a turn with no tool call; a step one when ``step`` returns None;
+  either ends with the last turn's reason at ``max_turns`` model turns (its tool calls are not executed, as in
+  TRL; a step environment still sees the text, so it can score it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import heapq
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout.engine.turns import Conversations
+from rollout.envs.protocol import EnvSpec, is_async
+from rollout.envs.render import ChatRenderer
+from rollout.envs.tool_calls import parse_tool_calls
+from rollout.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class EnvLimits:
+    max_turns: int = 4  # model turns per conversation
+    max_turn_tokens: int = 256  # tokens generated per turn
+    tool_timeout_s: float = 60.0  # one environment call: a tool, reset, step or get_reward
+    max_tool_result_chars: int = 16384  # a tool result or step reply longer than this is cut, with a marker
+    env_workers: int = 64  # threads running sync environment methods
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_turn_tokens", "max_tool_result_chars", "env_workers"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.tool_timeout_s, (int, float)) or not self.tool_timeout_s > 0:
+            raise ValueError(f"tool_timeout_s must be a number > 0, got {self.tool_timeout_s!r}")
+
+
+@dataclass(slots=True)
+class Episode:
+    """One conversation's row: the completion holds model and environment tokens after the prompt."""
+
+    index: int
+    prompt: str = ""
+    prompt_ids: list[int] = field(default_factory=list)
+    completion_ids: list[int] = field(default_factory=list)
+    env_mask: list[int] = field(default_factory=list)  # 1 model token, 0 environment token (TRL's)
+    logprobs: list[float] = field(default_factory=list)  # 0.0 at environment tokens (TRL's)
+    policy_versions: list[int] = field(default_factory=list)
+    finish_reason: str = "stop"
+    num_turns: int = 0  # model turns
+    tool_calls: int = 0
+    tool_failures: int = 0
+    reward: float | None = None
+    error: str | None = None  # why an env_error row ended
+
+
+@dataclass(slots=True, eq=False)
+class _Conv:
+    ep: Episode
+    env: Any
+    row: dict[str, Any]
+    params: SamplingParams
+    rid: str = ""
+    last_token: int | None = None
+    live: bool = False  # started in the engine and not ended
+
+
+def truncate(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}[... truncated: {limit} of {len(text)} characters shown]"
+
+
+class EnvLoop:
+    def __init__(self, engine: Any, spec: EnvSpec, tokenizer: Any, limits: EnvLimits = EnvLimits(),
+                 **chat_template_kwargs: Any) -> None:
+        self.engine, self.spec, self.limits, self.tok = engine, spec, limits, tokenizer
+        self.convs = Conversations(engine)
+        self.render = ChatRenderer(tokenizer, spec.schemas, **chat_template_kwargs)
+        self._pool = cf.ThreadPoolExecutor(limits.env_workers, thread_name_prefix="env")
+        self._abandoned: set[int] = set()  # sync calls past their deadline, still holding a pool thread
+        self._rid_map: dict[str, _Conv] = {}
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._done: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._pending: dict[int, tuple[_Conv, Callable[[Any, BaseException | None], None], bool]] = {}
+        self._futures: dict[int, cf.Future] = {}
+        self._deadlines: list[tuple[float, int]] = []
+        self._keys = itertools.count()
+        self._to_resume: list[tuple[_Conv, list[int]]] = []
+        self._active = 0
+
+    # ---- running --------------------------------------------------------------------------------------------
+    def run(self, rows: list[dict[str, Any]], prompts: list[Any], params: list[SamplingParams],
+            request_prefix: str = "conv") -> list[Episode]:
+        """One conversation per row (``prompts[i]``: its prompt, a string or messages); rows in order."""
+        convs = [_Conv(Episode(i), None, dict(row), p) for i, (row, p) in enumerate(zip(rows, params, strict=True))]
+        self._active = len(convs)
+        self._rid_map = {f"{request_prefix}-{c.ep.index}": c for c in convs}
+        for c, prompt in zip(convs, prompts, strict=True):
+            c.rid = f"{request_prefix}-{c.ep.index}"
+            try:
+                c.env = self.spec.make()
+            except Exception as e:  # noqa: BLE001 - the user's factory
+                self._fail(c, f"the environment factory raised {type(e).__name__}: {e}")
+                continue
+            self._call(c, c.env.reset, (), c.row, lambda r, e, c=c, p=prompt: self._reset_done(c, p, r, e), True)
+        try:
+            while self._active:
+                self._drain_done()
+                self._expire()
+                self._resume_ready()
+                if self.engine.has_unfinished_requests():
+                    self.convs.make_room()
+                    for out in self.engine.step():
+                        self._turn_ended(out)
+                else:
+                    self._wait()
+        finally:
+            for c in convs:
+                if c.live:
+                    self.engine.abort(c.rid)
+                    self.convs.end(c.rid)
+        return [c.ep for c in convs]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._aloop is not None:
+            self._aloop.call_soon_threadsafe(self._aloop.stop)
+
+    # ---- environment calls (off the engine thread) ----------------------------------------------------------
+    def _call(self, c: _Conv, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
+              then: Callable[[Any, BaseException | None], None], timed: bool) -> None:
+        """Run ``fn`` in the pool (sync) or on the loop (async); ``then(result, error)`` runs on this thread."""
+        key = next(self._keys)
+        if is_async(fn):
+            fut: cf.Future = asyncio.run_coroutine_threadsafe(fn(*args, **kwargs), self._loop())
+        else:
+            fut = self._pool.submit(fn, *args, **kwargs)
+        self._pending[key] = (c, then, not is_async(fn))
+        self._futures[key] = fut
+        if timed:
+            heapq.heappush(self._deadlines, (time.monotonic() + self.limits.tool_timeout_s, key))
+        fut.add_done_callback(lambda _f, k=key: self._done.put(k))
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        if self._aloop is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="env-async", daemon=True).start()
+            self._aloop = loop
+        return self._aloop
+
+    def _drain_done(self) -> None:
+        while True:
+            try:
+                key = self._done.get_nowait()
+            except queue.Empty:
+                return
+            self._finish_call(key)
+
+    def _finish_call(self, key: int) -> None:
+        entry = self._pending.pop(key, None)
+        fut = self._futures.pop(key)
+        if entry is None:  # timed out earlier; its late result is dropped
+            self._abandoned.discard(key)
+            return
+        _, then, _ = entry
+        error = fut.exception() if not fut.cancelled() else cf.CancelledError()
+        then(None if error is not None else fut.result(), error)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, key = heapq.heappop(self._deadlines)
+            entry = self._pending.pop(key, None)
+            if entry is None:
+                continue
+            _, then, sync = entry
+            fut = self._futures[key]
+            if not fut.cancel() and sync and not fut.done():
+                self._abandoned.add(key)
+                if len(self._abandoned) * 2 >= self.limits.env_workers:  # too many stuck threads: a fresh pool
+                    self._pool.shutdown(wait=False)
+                    self._pool = cf.ThreadPoolExecutor(self.limits.env_workers, thread_name_prefix="env")
+                    self._abandoned.clear()
+            then(None, TimeoutError(f"timed out after {self.limits.tool_timeout_s:g} s"))
+
+    def _wait(self) -> None:
+        """Nothing to step: block until an environment call finishes or the next deadline passes."""
+        timeout = 0.05
+        if self._deadlines:
+            timeout = max(0.0, min(timeout, self._deadlines[0][0] - time.monotonic()))
+        try:
+            key = self._done.get(timeout=timeout)
+        except queue.Empty:
+            return
+        self._finish_call(key)
+
+    # ---- a conversation's life ------------------------------------------------------------------------------
+    def _reset_done(self, c: _Conv, prompt: Any, result: Any, error: BaseException | None) -> None:
+        if error is not None:
+            return self._fail(c, f"reset raised {type(error).__name__}: {error}")
+        if result is not None and not isinstance(result, str):
+            return self._fail(c, f"reset must return a string or None, got {type(result).__name__}")
+        self._call(c, self.render.prompt, (prompt, result), {}, lambda r, e: self._start(c, r, e), False)
+
+    def _start(self, c: _Conv, rendered: Any, error: BaseException | None) -> None:
+        if error is not None:
+            return self._fail(c, f"the prompt could not be rendered: {type(error).__name__}: {error}")
+        c.ep.prompt, c.ep.prompt_ids = rendered
+        cap = min(self.engine.max_model_len, self.engine.kv.num_tokens)
+        budget = min(self.limits.max_turn_tokens, cap - len(c.ep.prompt_ids))
+        if budget < 1:
+            return self._fail(c, f"the prompt has {len(c.ep.prompt_ids)} tokens; max_model_len is {cap}")
+        self.convs.start(c.ep.prompt_ids, _turn_params(c.params, budget), c.rid)
+        c.live = True
+
+    def _turn_ended(self, out: Any) -> None:
+        c = self._by_rid(out.request_id)
+        comp = out.outputs[0]
+        ep = c.ep
+        new = comp.token_ids[len(ep.env_mask):]
+        ep.env_mask += [1] * len(new)
+        ep.completion_ids, ep.logprobs = list(comp.token_ids), list(comp.logprobs)
+        ep.policy_versions = list(comp.policy_versions)
+        ep.num_turns += 1
+        c.last_token = comp.token_ids[-1] if comp.token_ids else None
+        reason = comp.finish_reason or "abort"
+        full = len(ep.prompt_ids) + len(comp.token_ids) >= min(self.engine.max_model_len, self.engine.kv.num_tokens)
+        if reason == "abort" or full:
+            return self._end(c, reason if reason == "abort" else "length")
+        text = self.tok.decode(new, skip_special_tokens=True)
+        if self.spec.is_step:
+            last = ep.num_turns >= self.limits.max_turns
+            self._call(c, c.env.step, (text,), {}, lambda r, e: self._stepped(c, r, e, reason, last), True)
+            return
+        if ep.num_turns >= self.limits.max_turns:
+            return self._end(c, reason)
+        calls = self.parse_calls(c.row, ep.num_turns, text)
+        if not calls:
+            return self._end(c, "stop")
+        self._run_tools(c, calls)
+
+    def parse_calls(self, row: dict[str, Any], turn: int, text: str) -> list[dict[str, Any]]:
+        """The tool calls of model turn ``turn`` (1-based); tests override it with a scripted policy."""
+        return parse_tool_calls(self.tok, text)
+
+    def _stepped(self, c: _Conv, result: Any, error: BaseException | None, reason: str, last: bool) -> None:
+        if error is not None:
+            return self._fail(c, f"step raised {type(error).__name__}: {error}")
+        if result is None or last:
+            return self._end(c, reason if last and result is not None else "stop")
+        text = truncate(str(result), self.limits.max_tool_result_chars)
+        self._reply(c, [{"role": "user", "content": text}])
+
+    def _run_tools(self, c: _Conv, calls: list[dict[str, Any]]) -> None:
+        results: list[Any] = [None] * len(calls)
+        left = [len(calls)]
+
+        def one_done(i: int, name: str, result: Any, error: BaseException | None) -> None:
+            if error is not None:
+                c.ep.tool_failures += 1
+                result = {"error": str(error) or type(error).__name__}
+            content = truncate(str(result), self.limits.max_tool_result_chars)
+            results[i] = {"role": "tool", "name": name, "content": content}
+            left[0] -= 1
+            if left[0] == 0:
+                self._reply(c, results)
+
+        for i, call in enumerate(calls):
+            c.ep.tool_calls += 1
+            name = call["name"]
+            then = lambda r, e, i=i, name=name: one_done(i, name, r, e)  # noqa: E731
+            if "error" in call:
+                then(None, ValueError(call["error"]))
+            elif name not in self.spec.tool_names:
+                then(None, ValueError(f"Tool {name} not found."))
+            else:
+                self._call(c, getattr(c.env, name), (), call["arguments"], then, True)
+
+    def _reply(self, c: _Conv, messages: list[dict[str, Any]]) -> None:
+        self._call(c, self.render.reply, (messages, c.last_token), {}, lambda r, e: self._append(c, r, e), False)
+
+    def _append(self, c: _Conv, ids: Any, error: BaseException | None) -> None:
+        if error is not None:
+            return self._fail(c, f"the reply could not be rendered: {type(error).__name__}: {error}")
+        if len(ids) + 1 > self.convs.room(c.rid):
+            return self._end(c, "length")
+        self._to_resume.append((c, ids))
+        self._resume_ready()
+
+    def _resume_ready(self) -> None:
+        waiting, self._to_resume = self._to_resume, []
+        for c, ids in waiting:
+            if self.convs.resume(c.rid, ids, c.params, self.limits.max_turn_tokens):
+                c.ep.env_mask += [0] * len(ids)
+            else:
+                self._to_resume.append((c, ids))
+
+    def _end(self, c: _Conv, reason: str) -> None:
+        c.ep.finish_reason = reason
+        if c.live:
+            self.convs.end(c.rid)
+            c.live = False
+        if self.spec.has_reward and c.env is not None:
+            self._call(c, c.env.get_reward, (), {}, lambda r, e: self._rewarded(c, r, e), True)
+        else:
+            self._active -= 1
+
+    def _rewarded(self, c: _Conv, result: Any, error: BaseException | None) -> None:
+        if error is not None:
+            c.ep.finish_reason, c.ep.error = "env_error", f"get_reward raised {type(error).__name__}: {error}"
+        else:
+            c.ep.reward = None if result is None else float(result)
+        self._active -= 1
+
+    def _fail(self, c: _Conv, message: str) -> None:
+        c.ep.finish_reason, c.ep.error = "env_error", message
+        if c.live:
+            self.convs.end(c.rid)
+            c.live = False
+        self._active -= 1
+
+    def _by_rid(self, rid: str) -> _Conv:
+        return self._rid_map[rid]
+
+
+def _turn_params(params: SamplingParams, budget: int) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(params, max_tokens=budget, min_tokens=min(params.min_tokens, budget))
