@@ -22,12 +22,15 @@ class ThreeTurns:
         return float(len(self.seen))
 
 
+ENDED: dict[str, float] = {}  # row id -> when its conversation ended (get_reward's call)
+
+
 class ScriptedTools:
-    """A tool environment whose first turn is scripted by the test's policy (the tiny model cannot call tools):
-    the test appends the call text itself through ``CALLS``; tools cover each fault case."""
+    """A tool environment for a scripted policy (the tiny model cannot call tools: the test's loop injects the
+    first turn's calls from the row); its tools cover each fault case."""
 
     def reset(self, **row) -> str | None:
-        self.kind = row.get("kind", "ok")
+        self.kind, self.id = row.get("kind", "ok"), row.get("id", "")
         if self.kind == "reset_raises":
             raise RuntimeError("reset failed on purpose")
         return None
@@ -64,6 +67,7 @@ class ScriptedTools:
         return "slept"
 
     def get_reward(self) -> float:
+        ENDED[self.id] = time.monotonic()
         return 1.0
 
 
