@@ -24,6 +24,12 @@ class Trajectory:
     min_policy_version: int  # the oldest and newest of them (the current version for an empty completion)
     max_policy_version: int
     reward: float | None = None
+    # multi-turn rows (rollout.env): completion_ids hold model and environment tokens, logprobs 0.0 at the latter
+    env_mask: list[int] | None = None  # 1 model token, 0 environment token (TRL's)
+    num_turns: int = 1
+    tool_calls: int = 0
+    tool_failures: int = 0
+    env_error: str | None = None  # why a finish_reason="env_error" row ended (reset/step/get_reward raised)
 
 
 def group_trajectories(

@@ -42,7 +42,7 @@ def round_file_name(r: int) -> str:
     return f"round_{r:05d}.parquet"
 
 
-def trajectory_schema(with_reward: bool) -> pa.Schema:
+def trajectory_schema(with_reward: bool, with_env: bool = False) -> pa.Schema:
     fields = [
         ("round", pa.int32()),
         ("group_id", pa.int64()),
@@ -61,14 +61,17 @@ def trajectory_schema(with_reward: bool) -> pa.Schema:
     ]
     if with_reward:
         fields.append(("reward", pa.float64()))
+    if with_env:  # multi-turn rows (rollout.env): which completion tokens the model made, and the turns' counts
+        fields += [("env_mask", pa.list_(pa.int8())), ("num_turns", pa.int32()), ("tool_calls", pa.int32()),
+                   ("tool_failures", pa.int32()), ("env_error", pa.string())]
     return pa.schema(fields)
 
 
 class TrajectoryWriter:
-    def __init__(self, output_dir: str | os.PathLike[str], with_reward: bool) -> None:
+    def __init__(self, output_dir: str | os.PathLike[str], with_reward: bool, with_env: bool = False) -> None:
         self.dir = prepare_output_dir(output_dir)
         self.rounds_dir = self.dir / TRAJECTORIES
-        self.schema = trajectory_schema(with_reward)
+        self.schema = trajectory_schema(with_reward, with_env)
         self.num_rows = 0
         self.state: dict[str, Any] | None = None  # the last complete round's round driver's state (after resume)
 
