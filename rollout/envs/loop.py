@@ -98,10 +98,12 @@ def truncate(text: str, limit: int) -> str:
 
 class EnvLoop:
     def __init__(self, engine: Any, spec: EnvSpec, tokenizer: Any, limits: EnvLimits = EnvLimits(),
-                 **chat_template_kwargs: Any) -> None:
+                 renderer: Any = None, **chat_template_kwargs: Any) -> None:
+        """``renderer``: what turns prompts and replies into ids and ids into text (``ChatRenderer`` of the
+        tokenizer by default; a benchmark on token ids passes its own)."""
         self.engine, self.spec, self.limits, self.tok = engine, spec, limits, tokenizer
         self.convs = Conversations(engine)
-        self.render = ChatRenderer(tokenizer, spec.schemas, **chat_template_kwargs)
+        self.render = renderer or ChatRenderer(tokenizer, spec.schemas, **chat_template_kwargs)
         self._pool = cf.ThreadPoolExecutor(limits.env_workers, thread_name_prefix="env")
         self._abandoned: set[int] = set()  # sync calls past their deadline, still holding a pool thread
         self._rid_map: dict[str, _Conv] = {}
@@ -253,7 +255,7 @@ class EnvLoop:
         full = len(ep.prompt_ids) + len(comp.token_ids) >= min(self.engine.max_model_len, self.engine.kv.num_tokens)
         if reason == "abort" or full:
             return self._end(c, reason if reason == "abort" else "length")
-        text = self.tok.decode(new, skip_special_tokens=True)
+        text = self.render.decode(new)
         if self.spec.is_step:
             last = ep.num_turns >= self.limits.max_turns
             self._call(c, c.env.step, (text,), {}, lambda r, e: self._stepped(c, r, e, reason, last), True)

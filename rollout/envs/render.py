@@ -47,6 +47,9 @@ class ChatRenderer:
                                             **self.kwargs)
         return text, list(self.tok(text, add_special_tokens=False)["input_ids"])
 
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
     def reply(self, messages: list[dict[str, Any]], last_model_token: int | None) -> list[int]:
         """The tokens between the model's turn and its next one: the reply's messages and the assistant header."""
         full = self._ids(_DUMMY + messages, generation_prompt=True)
