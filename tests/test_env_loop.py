@@ -150,3 +150,35 @@ def test_parked_kv_is_dropped_when_waiting_ones_need_it_and_recomputed(default_m
     # some conversation's KV was dropped and recomputed (counted), yet every logprob is the oracle's
     assert engine.get_stats().num_prefill_tokens > sum(len(ep.prompt_ids) for ep in eps) + env_tokens
     assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+class PushingLoop(EnvLoop):
+    """Pushes the same weights under a new version when the first turn ends (between and during turns)."""
+
+    def _turn_ended(self, out):
+        if self.engine.policy_version == 0:
+            self.engine.update_weights(self.weights, version=5)
+        super()._turn_ended(out)
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_weight_push_between_turns_tags_tokens_and_recomputes_parked_kv(default_model, tokenizer, hf,
+                                                                        async_mode) -> None:
+    engine = make_engine(default_model, async_mode=async_mode)
+    loop = PushingLoop(engine, EnvSpec(env_fixtures.ThreeTurns), tokenizer, EnvLimits(max_turns=3, max_turn_tokens=5))
+    loop.weights = [(n, p.detach().clone()) for n, p in hf.named_parameters()]
+    try:
+        eps = loop.run(ROWS, [r["prompt"] for r in ROWS], params(len(ROWS)))
+    finally:
+        loop.close()
+    for ep in eps:
+        assert ep.error is None and ep.num_turns == 3
+        assert ep.policy_versions == sorted(ep.policy_versions) and ep.policy_versions[-1] == 5
+        n = len(ep.completion_ids)
+        ref = hf_logprobs(hf, ep.prompt_ids, ep.completion_ids)
+        want = ref[torch.arange(n), torch.tensor(ep.completion_ids)]
+        model = torch.tensor(ep.env_mask, dtype=torch.bool)
+        assert torch.allclose(torch.tensor(ep.logprobs)[model], want[model], atol=1e-4)
+    assert any(0 in ep.policy_versions for ep in eps)
+    given = sum(len(ep.prompt_ids) + ep.env_mask.count(0) for ep in eps)
+    assert engine.get_stats().num_prefill_tokens > given  # the parked conversations were recomputed

@@ -97,23 +97,28 @@ class Conversations:
                 eng.block_manager.free(request.seqs[0])
 
     def make_room(self) -> int:
-        """If nothing runs and the oldest waiting sequence cannot be admitted because parked conversations
-        hold the blocks, drop parked KV (longest parked first) until it fits; returns how many were dropped."""
+        """Call before each step. Parked KV is invisible to the scheduler's preemption, so when the running
+        sequences' next tokens (or, with none running, the oldest waiting one) need more blocks than are free,
+        drop parked KV, longest parked first, until they fit. Returns how many conversations lost their KV."""
         eng = self.engine
-        dropped = 0
         with eng._lock:
             sched, bm = eng.scheduler, eng.block_manager
-            if sched.running or not sched.waiting or eng._inflight is not None:
+            if not sched.parked or bm.num_free_blocks >= 2 * len(sched.running) + 8:
+                return 0  # the common case: plenty free
+            need = sum(bm.num_blocks_needed(s, max(0, s.num_tokens - s.num_computed_tokens)) for s in sched.running)
+            if not sched.running and sched.waiting:
+                need += -(-sched.waiting[0].num_tokens // bm.block_size) + 1
+            if bm.num_free_blocks >= need:
                 return 0
-            need = -(-sched.waiting[0].num_tokens // bm.block_size) + 1
             holders = sorted((r.seqs[0] for r in sched.parked.values() if r.seqs[0].block_table),
                              key=lambda s: s.park_step)
+            dropped = 0
             for seq in holders:
                 if bm.num_free_blocks >= need:
                     break
                 bm.free(seq, register=True)
                 dropped += 1
-        return dropped
+            return dropped
 
     @property
     def num_parked(self) -> int:

@@ -155,6 +155,8 @@ def torch_threads(n: int | None) -> int:
 
 def _summary(m: dict[str, Any]) -> str:
     reward = f", reward {m['reward_mean']:.3f}" if "reward_mean" in m else ""
+    if "turns_mean" in m:
+        reward += f", {m['turns_mean']:.2f} turns, {m['tool_calls']} tool calls ({m['tool_failures']} failed)"
     carried = f", {m['carried_over_groups']} groups carried over" if m["carried_over_groups"] else ""
     dropped = f", {m['dropped_groups']} dropped as stale" if m["dropped_groups"] else ""
     return (
