@@ -71,7 +71,7 @@ def test_step_env_turns_match_hf_and_never_reprefill(default_model, tokenizer, h
 class ScriptedLoop(EnvLoop):
     """The scripted policy: the first turn calls the row's tools whatever the model wrote; later turns call none."""
 
-    def parse_calls(self, row, turn, text):
+    def parse_calls(self, row, turn, *_):
         return row["calls"] if turn == 1 else []
 
 

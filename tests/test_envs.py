@@ -79,11 +79,12 @@ def test_tool_calls_use_the_tokenizers_response_schema() -> None:
     class Tok:
         response_schema = {"x": 1}
 
-        def parse_response(self, ids):
+        def parse_response(self, ids, prefix=None, tools=None):
+            assert ids == [1, 2] and prefix == [9]
             return {"role": "assistant", "tool_calls": [{"type": "function",
                                                         "function": {"name": "f", "arguments": {"k": 1}}}]}
 
-    assert parse_tool_calls(Tok(), "", [1, 2]) == [{"name": "f", "arguments": {"k": 1}}]
+    assert parse_tool_calls(Tok(), "", [1, 2], [9]) == [{"name": "f", "arguments": {"k": 1}}]
 
 
 def test_render_reply_closes_an_unfinished_turn_with_eos(tokenizer) -> None:

@@ -50,12 +50,16 @@ class EnvLimits:
     tool_timeout_s: float = 60.0  # one environment call: a tool, reset, step or get_reward
     max_tool_result_chars: int = 16384  # a tool result or step reply longer than this is cut, with a marker
     env_workers: int = 64  # threads running sync environment methods
+    max_completion_tokens: int | None = None  # model + env tokens after the prompt (TRL's max_completion_length)
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_turn_tokens", "max_tool_result_chars", "env_workers"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        m = self.max_completion_tokens
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"max_completion_tokens must be an int >= 1 or None, got {m!r}")
         if not isinstance(self.tool_timeout_s, (int, float)) or not self.tool_timeout_s > 0:
             raise ValueError(f"tool_timeout_s must be a number > 0, got {self.tool_timeout_s!r}")
 
@@ -86,6 +90,7 @@ class _Conv:
     row: dict[str, Any]
     params: SamplingParams
     rid: str = ""
+    tools: dict[str, Callable[..., Any]] = field(default_factory=dict)
     last_token: int | None = None
     live: bool = False  # started in the engine and not ended
 
@@ -97,13 +102,17 @@ def truncate(text: str, limit: int) -> str:
 
 
 class EnvLoop:
-    def __init__(self, engine: Any, spec: EnvSpec, tokenizer: Any, limits: EnvLimits = EnvLimits(),
+    def __init__(self, engine: Any, spec: EnvSpec | None, tokenizer: Any, limits: EnvLimits = EnvLimits(),
                  renderer: Any = None, **chat_template_kwargs: Any) -> None:
-        """``renderer``: what turns prompts and replies into ids and ids into text (``ChatRenderer`` of the
+        """``spec`` None: conversations come with their prompt ids and tools (``run_prepared``, TRL's trainer
+        path). ``renderer``: what turns prompts and replies into ids and ids into text (``ChatRenderer`` of the
         tokenizer by default; a benchmark on token ids passes its own)."""
         self.engine, self.spec, self.limits, self.tok = engine, spec, limits, tokenizer
+        self.is_step = spec is not None and spec.is_step
+        self.has_reward = spec is not None and spec.has_reward
         self.convs = Conversations(engine)
-        self.render = renderer or ChatRenderer(tokenizer, spec.schemas, **chat_template_kwargs)
+        schemas = spec.schemas if spec is not None else None
+        self.render = renderer or ChatRenderer(tokenizer, schemas, **chat_template_kwargs)
         self._pool = cf.ThreadPoolExecutor(limits.env_workers, thread_name_prefix="env")
         self._abandoned: set[int] = set()  # sync calls past their deadline, still holding a pool thread
         self._rid_map: dict[str, _Conv] = {}
@@ -127,10 +136,27 @@ class EnvLoop:
             c.rid = f"{request_prefix}-{c.ep.index}"
             try:
                 c.env = self.spec.make()
+                c.tools = {name: getattr(c.env, name) for name in self.spec.tool_names}
             except Exception as e:  # noqa: BLE001 - the user's factory
                 self._fail(c, f"the environment factory raised {type(e).__name__}: {e}")
                 continue
             self._call(c, c.env.reset, (), c.row, lambda r, e, c=c, p=prompt: self._reset_done(c, p, r, e), True)
+        return self._drive(convs)
+
+    def run_prepared(self, prompt_ids: list[list[int]], tools: list[dict[str, Callable[..., Any]]],
+                     params: list[SamplingParams], request_prefix: str = "conv") -> list[Episode]:
+        """Conversations whose prompt is already rendered and whose environment is already reset (TRL's trainer
+        makes and resets its ``environment_factory`` instances itself): ``tools[i]`` maps a tool's name to the
+        callable conversation i may call. No ``get_reward`` here (the trainer scores)."""
+        convs = [_Conv(Episode(i), None, {}, p, rid=f"{request_prefix}-{i}", tools=dict(t))
+                 for i, (t, p) in enumerate(zip(tools, params, strict=True))]
+        self._active = len(convs)
+        self._rid_map = {c.rid: c for c in convs}
+        for c, ids in zip(convs, prompt_ids, strict=True):
+            self._start(c, ("", list(ids)), None)
+        return self._drive(convs)
+
+    def _drive(self, convs: list[_Conv]) -> list[Episode]:
         try:
             while self._active:
                 self._drain_done()
@@ -235,7 +261,7 @@ class EnvLoop:
             return self._fail(c, f"the prompt could not be rendered: {type(error).__name__}: {error}")
         c.ep.prompt, c.ep.prompt_ids = rendered
         cap = min(self.engine.max_model_len, self.engine.kv.num_tokens)
-        budget = min(self.limits.max_turn_tokens, cap - len(c.ep.prompt_ids))
+        budget = min(self.limits.max_turn_tokens, cap - len(c.ep.prompt_ids), self._completion_room(c))
         if budget < 1:
             return self._fail(c, f"the prompt has {len(c.ep.prompt_ids)} tokens; max_model_len is {cap}")
         self.convs.start(c.ep.prompt_ids, _turn_params(c.params, budget), c.rid)
@@ -252,24 +278,28 @@ class EnvLoop:
         ep.num_turns += 1
         c.last_token = comp.token_ids[-1] if comp.token_ids else None
         reason = comp.finish_reason or "abort"
-        full = len(ep.prompt_ids) + len(comp.token_ids) >= min(self.engine.max_model_len, self.engine.kv.num_tokens)
+        full = (len(ep.prompt_ids) + len(comp.token_ids) >= min(self.engine.max_model_len, self.engine.kv.num_tokens)
+                or self._completion_room(c) < 1)
         if reason == "abort" or full:
             return self._end(c, reason if reason == "abort" else "length")
         text = self.render.decode(new)
-        if self.spec.is_step:
+        if self.is_step:
             last = ep.num_turns >= self.limits.max_turns
             self._call(c, c.env.step, (text,), {}, lambda r, e: self._stepped(c, r, e, reason, last), True)
             return
         if ep.num_turns >= self.limits.max_turns:
             return self._end(c, reason)
-        calls = self.parse_calls(c.row, ep.num_turns, text)
+        before = ep.prompt_ids[-64:] + ep.completion_ids[: len(ep.completion_ids) - len(new)][-64:]
+        calls = self.parse_calls(c.row, ep.num_turns, text, new, before[-64:])
         if not calls:
             return self._end(c, "stop")
         self._run_tools(c, calls)
 
-    def parse_calls(self, row: dict[str, Any], turn: int, text: str) -> list[dict[str, Any]]:
-        """The tool calls of model turn ``turn`` (1-based); tests override it with a scripted policy."""
-        return parse_tool_calls(self.tok, text)
+    def parse_calls(self, row: dict[str, Any], turn: int, text: str, ids: list[int] | None = None,
+                    prefix: list[int] | None = None) -> list[dict[str, Any]]:
+        """The tool calls of model turn ``turn`` (1-based; ``ids`` its tokens, ``prefix`` the tokens before it);
+        tests override it with a scripted policy."""
+        return parse_tool_calls(self.tok, text, ids, prefix, getattr(self.render, "tools", None))
 
     def _stepped(self, c: _Conv, result: Any, error: BaseException | None, reason: str, last: bool) -> None:
         if error is not None:
@@ -299,10 +329,10 @@ class EnvLoop:
             then = lambda r, e, i=i, name=name: one_done(i, name, r, e)  # noqa: E731
             if "error" in call:
                 then(None, ValueError(call["error"]))
-            elif name not in self.spec.tool_names:
+            elif name not in c.tools:
                 then(None, ValueError(f"Tool {name} not found."))
             else:
-                self._call(c, getattr(c.env, name), (), call["arguments"], then, True)
+                self._call(c, c.tools[name], (), call["arguments"], then, True)
 
     def _reply(self, c: _Conv, messages: list[dict[str, Any]]) -> None:
         self._call(c, self.render.reply, (messages, c.last_token), {}, lambda r, e: self._append(c, r, e), False)
@@ -310,7 +340,7 @@ class EnvLoop:
     def _append(self, c: _Conv, ids: Any, error: BaseException | None) -> None:
         if error is not None:
             return self._fail(c, f"the reply could not be rendered: {type(error).__name__}: {error}")
-        if len(ids) + 1 > self.convs.room(c.rid):
+        if len(ids) + 1 > min(self.convs.room(c.rid), self._completion_room(c)):
             return self._end(c, "length")
         self._to_resume.append((c, ids))
         self._resume_ready()
@@ -318,7 +348,8 @@ class EnvLoop:
     def _resume_ready(self) -> None:
         waiting, self._to_resume = self._to_resume, []
         for c, ids in waiting:
-            if self.convs.resume(c.rid, ids, c.params, self.limits.max_turn_tokens):
+            budget = min(self.limits.max_turn_tokens, self._completion_room(c) - len(ids))
+            if self.convs.resume(c.rid, ids, c.params, budget):
                 c.ep.env_mask += [0] * len(ids)
             else:
                 self._to_resume.append((c, ids))
@@ -328,7 +359,7 @@ class EnvLoop:
         if c.live:
             self.convs.end(c.rid)
             c.live = False
-        if self.spec.has_reward and c.env is not None:
+        if self.has_reward and c.env is not None:
             self._call(c, c.env.get_reward, (), {}, lambda r, e: self._rewarded(c, r, e), True)
         else:
             self._active -= 1
@@ -346,6 +377,10 @@ class EnvLoop:
             self.convs.end(c.rid)
             c.live = False
         self._active -= 1
+
+    def _completion_room(self, c: _Conv) -> int:
+        m = self.limits.max_completion_tokens
+        return 1 << 30 if m is None else m - len(c.ep.env_mask)
 
     def _by_rid(self, rid: str) -> _Conv:
         return self._rid_map[rid]

@@ -15,12 +15,16 @@ from typing import Any
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-def parse_tool_calls(tokenizer: Any, text: str, ids: list[int] | None = None) -> list[dict[str, Any]]:
-    """The turn's tool calls, in order (empty: the turn calls no tool, which ends a tool conversation)."""
+def parse_tool_calls(tokenizer: Any, text: str, ids: list[int] | None = None, prefix: list[int] | None = None,
+                     tools: list[Any] | None = None) -> list[dict[str, Any]]:
+    """The turn's tool calls, in order (empty: the turn calls no tool, which ends a tool conversation).
+
+    ``ids``: the turn's tokens (the schema needs its special tokens, which ``text`` may have lost); ``prefix``: the
+    tokens before the turn (its template-written opening, e.g. the assistant header), as transformers asks."""
     if tokenizer is not None and (getattr(tokenizer, "response_schema", None) is not None
                                   or getattr(tokenizer, "response_template", None) is not None):
         try:
-            parsed = tokenizer.parse_response(ids if ids is not None else text)
+            parsed = tokenizer.parse_response(ids if ids is not None else text, prefix=prefix or [], tools=tools)
             return [_from_schema(c) for c in (parsed.get("tool_calls") or [])]
         except Exception:  # noqa: BLE001 - a malformed response: fall back to the plain form, as TRL falls back to text
             pass
