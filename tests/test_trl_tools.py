@@ -8,7 +8,9 @@ masks the tool tokens out of the loss (the rows' ``env_mask``) and scores with t
 from __future__ import annotations
 
 import os
+import re
 
+import pytest
 from datasets import Dataset
 from transformers import AutoTokenizer, TrainerCallback
 
@@ -111,3 +113,42 @@ def test_environment_factory_runs_on_the_engine_with_env_mask(tmp_path, monkeypa
     assert log["reward"] == 1.0  # AdderEnv.get_reward, through TRL's own reward path
     assert log["sampling/sampling_logp_difference/max"] <= 1e-4  # engine logprobs == the trainer's, multi-turn
     assert engine.scheduler.parked == {}
+
+
+def test_train_grpo_script_with_train_env(tmp_path, monkeypatch) -> None:
+    """rollout-train-grpo train.env=...: TRL's environment_factory path end to end, every turn on the engine."""
+    import json
+
+    from rollout.cli import train_grpo
+    from tests.script_helpers import compose
+
+    monkeypatch.setattr(EnvLoop, "parse_calls",
+                        lambda self, row, turn, *_: [{"name": "add", "arguments": {"a": 2, "b": 3}}] if turn == 1
+                        else [])
+    tok = AutoTokenizer.from_pretrained(str(assets_dir()))
+    tok.chat_template, tok.response_template = TOOL_TEMPLATE, RESPONSE_TEMPLATE
+    tok.save_pretrained(tmp_path / "tok")
+    out = train_grpo.run(compose(
+        "train_grpo", f"output_dir={tmp_path / 'out'}", f"model.cache_dir={tmp_path / 'cache'}",
+        f"model.tokenizer={tmp_path / 'tok'}", "logger.wandb.mode=disabled", "train.steps=2", "sampling.n=2",
+        "sampling.max_tokens=40", "data.num_prompts=2", "train.env=tests.test_trl_tools:AdderEnv", "train.reward=env",
+        "train.max_turn_tokens=6", "+train.grpo.max_tool_calling_iterations=1",
+    ))
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2]
+    for x in lines:
+        assert x["tools/call_frequency"] == 1.0 and x["reward"] == 1.0, x
+        assert x["rollout/logprob_gap_max"] <= 1e-4
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.env=nocolon", "train.env='nocolon' is invalid"),
+    ("train.reward=env", "'env' needs train.env"),
+    ("train.tools=[x]", "train.tools=['x'] is invalid"),
+])
+def test_train_grpo_refuses_bad_env_keys(tmp_path, override, message) -> None:
+    from rollout.cli import train_grpo
+    from tests.script_helpers import compose
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train_grpo.run(compose("train_grpo", f"output_dir={tmp_path}", override))

@@ -70,7 +70,7 @@ class TRLRollout:
                  run_config: dict[str, Any] | None = None, mode: str = "drain",
                  max_inflight_groups: int | None = None, max_staleness: int | None = None,
                  stale_groups: str = "drop", recompute_running: bool = True, prompt_dataset: Any = None,
-                 tool_timeout_s: float = 60.0) -> None:
+                 tool_timeout_s: float = 60.0, max_turn_tokens: int | None = None) -> None:
         if sleep_level not in (0, 1, 2):
             raise ValueError(f"sleep_level={sleep_level!r} is invalid: must be 0 (never sleep), 1 (free the KV "
                              "cache between generations) or 2 (also move the engine's weights to the CPU)")
@@ -95,6 +95,7 @@ class TRLRollout:
                     raise ValueError(f"{key}={value!r} is partial mode's: leave it unset with mode='drain'")
         self.run_config = dict(run_config or {})
         self.tool_timeout_s = tool_timeout_s  # TRL's tools / environment_factory: one tool call's limit
+        self.max_turn_tokens = max_turn_tokens  # and one turn's tokens (None: max_completion_length)
         self.tool_rollouts: Any = None  # trainer_hooks.trl_tools.ToolRollouts, made on the first call with tools
         self.last_tool_loop: Any = None  # the latest call's ToolLoopResult, for EngineGRPOTrainer._tool_call_loop
         self.synced_step: int | None = None
@@ -135,7 +136,7 @@ class TRLRollout:
         from trainer_hooks.trl_tools import ToolRollouts
 
         if self.tool_rollouts is None:
-            self.tool_rollouts = ToolRollouts(self.engine, trainer, self.tool_timeout_s)
+            self.tool_rollouts = ToolRollouts(self.engine, trainer, self.tool_timeout_s, self.max_turn_tokens)
         prompt_ids = tokenize_prompts(prompts, trainer)
         base = sampling_params_from_args(trainer.args, getattr(trainer, "eos_token_ids", None))
         self._wake()

@@ -58,13 +58,14 @@ def loop_limits(trainer: Any, tool_timeout_s: float, turn_tokens: int | None = N
 class ToolRollouts:
     """The engine's environment loop for one trainer (created on the first call with tools)."""
 
-    def __init__(self, engine: Any, trainer: Any, tool_timeout_s: float = 60.0) -> None:
+    def __init__(self, engine: Any, trainer: Any, tool_timeout_s: float = 60.0,
+                 max_turn_tokens: int | None = None) -> None:
         self.engine = require_backend(engine, "TRLRollout with tools or environment_factory", ContinuousBackend)
         tok = getattr(trainer, "_tokenizer", None) or trainer.processing_class
         kwargs = dict(getattr(trainer, "chat_template_kwargs", None) or {})
         if getattr(trainer, "chat_template", None) is not None:
             kwargs["chat_template"] = trainer.chat_template
-        self.tool_timeout_s = tool_timeout_s
+        self.tool_timeout_s, self.max_turn_tokens = tool_timeout_s, max_turn_tokens
         self.loop = EnvLoop(engine, None, tok, loop_limits(trainer, tool_timeout_s),
                             renderer=ChatRenderer(tok, None, **kwargs))
         self._calls = 0
@@ -72,7 +73,8 @@ class ToolRollouts:
     def run(self, prompt_ids: list[list[int]], trainer: Any, base: SamplingParams) -> tuple[list[Episode],
                                                                                              ToolLoopResult]:
         self._calls += 1
-        self.loop.limits = loop_limits(trainer, self.tool_timeout_s, base.max_tokens)
+        self.loop.limits = loop_limits(trainer, self.tool_timeout_s, min(base.max_tokens,
+                                                                         self.max_turn_tokens or base.max_tokens))
         params = [dataclasses.replace(base, n=1) for _ in prompt_ids]
         episodes = self.loop.run_prepared(prompt_ids, trainer_tools(trainer, len(prompt_ids)), params,
                                           request_prefix=f"trl{self._calls}")

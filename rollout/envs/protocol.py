@@ -28,22 +28,22 @@ RESERVED = ("reset", "step", "get_reward")
 _SPEC = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
-def load_factory(spec: str) -> Callable[[], Any]:
-    """``package.module:factory`` -> the factory (a class or a zero-argument callable)."""
+def load_factory(spec: str, key: str = "rollout.env") -> Callable[[], Any]:
+    """``package.module:factory`` -> the factory (a class or a zero-argument callable); errors name ``key``."""
     if not isinstance(spec, str) or not _SPEC.match(spec):
-        raise ValueError(f"rollout.env={spec!r} must be an import path 'package.module:factory' (e.g. "
+        raise ValueError(f"{key}={spec!r} must be an import path 'package.module:factory' (e.g. "
                          "'rollout.envs.calculator:CalculatorEnv')")
     module, _, attr = spec.partition(":")
     try:
         obj: Any = importlib.import_module(module)
     except ImportError as e:
-        raise ValueError(f"rollout.env={spec!r}: cannot import {module!r}: {e}") from None
+        raise ValueError(f"{key}={spec!r}: cannot import {module!r}: {e}") from None
     for part in attr.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
-            raise ValueError(f"rollout.env={spec!r}: {module!r} has no attribute {attr!r}")
+            raise ValueError(f"{key}={spec!r}: {module!r} has no attribute {attr!r}")
     if not callable(obj):
-        raise ValueError(f"rollout.env={spec!r} is not callable (a class or a factory function is expected)")
+        raise ValueError(f"{key}={spec!r} is not callable (a class or a factory function is expected)")
     return obj
 
 
