@@ -329,7 +329,7 @@ class Engine:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         with self._lock:
-            if self.scheduler.has_unfinished() or self._inflight is not None:
+            if self.scheduler.has_unfinished() or self._inflight is not None or self.scheduler.parked:
                 raise RuntimeError("sleep() while requests are running; finish or abort them first")
             if not self.kv.allocated:
                 return 0

@@ -157,6 +157,7 @@ class EnvLoop:
         return self._drive(convs)
 
     def _drive(self, convs: list[_Conv]) -> list[Episode]:
+        self._to_resume = []
         try:
             while self._active:
                 self._drain_done()
@@ -173,6 +174,8 @@ class EnvLoop:
                 if c.live:
                     self.engine.abort(c.rid)
                     self.convs.end(c.rid)
+            self._pending.clear()  # a run that raised leaves calls behind: their late results are dropped
+            self._deadlines.clear()
         return [c.ep for c in convs]
 
     def close(self) -> None:
