@@ -115,8 +115,21 @@ def test_environment_factory_runs_on_the_engine_with_env_mask(tmp_path, monkeypa
     assert engine.scheduler.parked == {}
 
 
-def test_train_grpo_script_with_train_env(tmp_path, monkeypatch) -> None:
-    """rollout-train-grpo train.env=...: TRL's environment_factory path end to end, every turn on the engine."""
+def add(a: int, b: int) -> int:
+    """Add two integers (a standalone tool for train.tools).
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+@pytest.mark.parametrize("tool_keys", [("train.env=tests.test_trl_tools:AdderEnv", "train.reward=env"),
+                                       ("train.tools=[tests.test_trl_tools:add]", "train.reward=digit_fraction")])
+def test_train_grpo_script_with_train_env(tmp_path, monkeypatch, tool_keys) -> None:
+    """rollout-train-grpo train.env=... / train.tools=[...]: TRL's environment_factory and tools paths end to end,
+    every turn on the engine."""
     import json
 
     from rollout.cli import train_grpo
@@ -131,14 +144,16 @@ def test_train_grpo_script_with_train_env(tmp_path, monkeypatch) -> None:
     out = train_grpo.run(compose(
         "train_grpo", f"output_dir={tmp_path / 'out'}", f"model.cache_dir={tmp_path / 'cache'}",
         f"model.tokenizer={tmp_path / 'tok'}", "logger.wandb.mode=disabled", "train.steps=2", "sampling.n=2",
-        "sampling.max_tokens=40", "data.num_prompts=2", "train.env=tests.test_trl_tools:AdderEnv", "train.reward=env",
+        "sampling.max_tokens=40", "data.num_prompts=2", *tool_keys,
         "train.max_turn_tokens=6", "+train.grpo.max_tool_calling_iterations=1",
     ))
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2]
     for x in lines:
-        assert x["tools/call_frequency"] == 1.0 and x["reward"] == 1.0, x
+        assert x["tools/call_frequency"] == 1.0 and x["tools/failure_frequency"] == 0.0, x
         assert x["rollout/logprob_gap_max"] <= 1e-4
+        if "train.reward=env" in tool_keys:
+            assert x["reward"] == 1.0  # AdderEnv.get_reward: its add tool was called with 2 + 3
 
 
 @pytest.mark.parametrize("override, message", [
