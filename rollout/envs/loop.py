@@ -25,19 +25,13 @@ Faults stay in their own conversation (each documented as the row it gives):
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures as cf
-import heapq
-import itertools
-import queue
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.engine.turns import Conversations
-from rollout.envs.protocol import EnvSpec, is_async
+from rollout.envs.calls import EnvCalls
+from rollout.envs.protocol import EnvSpec
 from rollout.envs.render import ChatRenderer
 from rollout.envs.tool_calls import parse_tool_calls
 from rollout.sampling_params import SamplingParams
@@ -113,15 +107,8 @@ class EnvLoop:
         self.convs = Conversations(engine)
         schemas = spec.schemas if spec is not None else None
         self.render = renderer or ChatRenderer(tokenizer, schemas, **chat_template_kwargs)
-        self._pool = cf.ThreadPoolExecutor(limits.env_workers, thread_name_prefix="env")
-        self._abandoned: set[int] = set()  # sync calls past their deadline, still holding a pool thread
+        self.calls = EnvCalls(limits.env_workers)
         self._rid_map: dict[str, _Conv] = {}
-        self._aloop: asyncio.AbstractEventLoop | None = None
-        self._done: queue.SimpleQueue[int] = queue.SimpleQueue()
-        self._pending: dict[int, tuple[_Conv, Callable[[Any, BaseException | None], None], bool]] = {}
-        self._futures: dict[int, cf.Future] = {}
-        self._deadlines: list[tuple[float, int]] = []
-        self._keys = itertools.count()
         self._to_resume: list[tuple[_Conv, list[int]]] = []
         self._active = 0
 
@@ -160,96 +147,29 @@ class EnvLoop:
         self._to_resume = []
         try:
             while self._active:
-                self._drain_done()
-                self._expire()
+                self.calls.poll()
                 self._resume_ready()
                 if self.engine.has_unfinished_requests():
                     self.convs.make_room()
                     for out in self.engine.step():
                         self._turn_ended(out)
                 else:
-                    self._wait()
+                    self.calls.wait()
         finally:
             for c in convs:
                 if c.live:
                     self.engine.abort(c.rid)
                     self.convs.end(c.rid)
-            self._pending.clear()  # a run that raised leaves calls behind: their late results are dropped
-            self._deadlines.clear()
+            self.calls.forget()  # a run that raised leaves calls behind: their late results are dropped
         return [c.ep for c in convs]
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._aloop is not None:
-            self._aloop.call_soon_threadsafe(self._aloop.stop)
+        self.calls.close()
 
-    # ---- environment calls (off the engine thread) ----------------------------------------------------------
     def _call(self, c: _Conv, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
               then: Callable[[Any, BaseException | None], None], timed: bool) -> None:
-        """Run ``fn`` in the pool (sync) or on the loop (async); ``then(result, error)`` runs on this thread."""
-        key = next(self._keys)
-        if is_async(fn):
-            fut: cf.Future = asyncio.run_coroutine_threadsafe(fn(*args, **kwargs), self._loop())
-        else:
-            fut = self._pool.submit(fn, *args, **kwargs)
-        self._pending[key] = (c, then, not is_async(fn))
-        self._futures[key] = fut
-        if timed:
-            heapq.heappush(self._deadlines, (time.monotonic() + self.limits.tool_timeout_s, key))
-        fut.add_done_callback(lambda _f, k=key: self._done.put(k))
-
-    def _loop(self) -> asyncio.AbstractEventLoop:
-        if self._aloop is None:
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="env-async", daemon=True).start()
-            self._aloop = loop
-        return self._aloop
-
-    def _drain_done(self) -> None:
-        while True:
-            try:
-                key = self._done.get_nowait()
-            except queue.Empty:
-                return
-            self._finish_call(key)
-
-    def _finish_call(self, key: int) -> None:
-        entry = self._pending.pop(key, None)
-        fut = self._futures.pop(key)
-        if entry is None:  # timed out earlier; its late result is dropped
-            self._abandoned.discard(key)
-            return
-        _, then, _ = entry
-        error = fut.exception() if not fut.cancelled() else cf.CancelledError()
-        then(None if error is not None else fut.result(), error)
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, key = heapq.heappop(self._deadlines)
-            entry = self._pending.pop(key, None)
-            if entry is None:
-                continue
-            _, then, sync = entry
-            fut = self._futures[key]
-            if not fut.cancel() and sync and not fut.done():
-                self._abandoned.add(key)
-                if len(self._abandoned) * 2 >= self.limits.env_workers:  # too many stuck threads: a fresh pool
-                    self._pool.shutdown(wait=False)
-                    self._pool = cf.ThreadPoolExecutor(self.limits.env_workers, thread_name_prefix="env")
-                    self._abandoned.clear()
-            then(None, TimeoutError(f"timed out after {self.limits.tool_timeout_s:g} s"))
-
-    def _wait(self) -> None:
-        """Nothing to step: block until an environment call finishes or the next deadline passes."""
-        timeout = 0.05
-        if self._deadlines:
-            timeout = max(0.0, min(timeout, self._deadlines[0][0] - time.monotonic()))
-        try:
-            key = self._done.get(timeout=timeout)
-        except queue.Empty:
-            return
-        self._finish_call(key)
+        """``fn`` off this thread (``EnvCalls``); ``timed``: bounded by ``tool_timeout_s``."""
+        self.calls.submit(fn, args, kwargs, then, self.limits.tool_timeout_s if timed else None)
 
     # ---- a conversation's life ------------------------------------------------------------------------------
     def _reset_done(self, c: _Conv, prompt: Any, result: Any, error: BaseException | None) -> None:
@@ -267,11 +187,16 @@ class EnvLoop:
         budget = min(self.limits.max_turn_tokens, cap - len(c.ep.prompt_ids), self._completion_room(c))
         if budget < 1:
             return self._fail(c, f"the prompt has {len(c.ep.prompt_ids)} tokens; max_model_len is {cap}")
-        self.convs.start(c.ep.prompt_ids, _turn_params(c.params, budget), c.rid)
+        try:
+            self.convs.start(c.ep.prompt_ids, _turn_params(c.params, budget), c.rid)
+        except ValueError as e:  # the engine refuses the prompt (a token outside the vocabulary...)
+            return self._fail(c, f"the engine refused the prompt: {e}")
         c.live = True
 
     def _turn_ended(self, out: Any) -> None:
-        c = self._by_rid(out.request_id)
+        c = self._rid_map.get(out.request_id)
+        if c is None:  # another caller's request on a shared engine: not ours to handle
+            return
         comp = out.outputs[0]
         ep = c.ep
         new = comp.token_ids[len(ep.env_mask):]
@@ -384,9 +309,6 @@ class EnvLoop:
     def _completion_room(self, c: _Conv) -> int:
         m = self.limits.max_completion_tokens
         return 1 << 30 if m is None else m - len(c.ep.env_mask)
-
-    def _by_rid(self, rid: str) -> _Conv:
-        return self._rid_map[rid]
 
 
 def _turn_params(params: SamplingParams, budget: int) -> SamplingParams:
