@@ -13,9 +13,11 @@ same run, each on a fresh engine:
 - ``turn_sync``: TRL's ``_tool_call_loop`` shape: a turn is generated for every conversation, every conversation
   waits for the slowest environment call of the turn, then all continue as new requests holding the whole
   conversation (re-prefilled, less what the prefix cache still holds).
+- ``turn_sync_nocache``: the same with the prefix cache off (every turn re-prefills the whole conversation).
 
 Reported per mode: model tok/s (generated tokens / wall), GPU busy fraction (compute-stream time / wall; None on
-the CPU), prefill tokens over (prompt + environment) tokens, and for env_loop ``vs_turn_sync`` (tok/s ratio).
+the CPU), prefill tokens over (prompt + environment) tokens, and for env_loop ``vs_turn_sync`` and
+``vs_turn_sync_nocache`` (tok/s ratios).
 Needs only torch, transformers and the engine.
 """
 
@@ -95,12 +97,12 @@ def build_model(w: dict, device: str) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
 
 
-def make_engine(hf: torch.nn.Module, w: dict, device: str) -> Engine:
+def make_engine(hf: torch.nn.Module, w: dict, device: str, prefix_cache: bool = True) -> Engine:
     per_conv = w["prompt_len"] + w["turns"] * w["turn_tokens"] + (w["turns"] - 1) * w["reply"][1] + 16
     blocks = int(w["conversations"] * -(-per_conv // 16) * 1.1) + 64
     eng = Engine.from_pretrained(hf, dtype="float32" if device == "cpu" else "bfloat16", device=device,
                                  max_model_len=per_conv + 16, max_num_seqs=w["conversations"], num_blocks=blocks,
-                                 block_size=16)
+                                 block_size=16, enable_prefix_caching=prefix_cache)
     warm = [[1] * 8] * w["conversations"]
     eng.generate(warm, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
     for b in sorted(getattr(eng.runner, "graph_sizes", []) or [], reverse=True):  # capture every decode size
@@ -166,12 +168,12 @@ def _kw(p: SamplingParams) -> dict:
 
 
 def measure(mode: str, hf: torch.nn.Module, w: dict, device: str) -> dict:
-    eng = make_engine(hf, w, device)
+    eng = make_engine(hf, w, device, prefix_cache=mode != "turn_sync_nocache")
     before = eng.get_stats()
     if device == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    counts = (run_env_loop if mode == "env_loop" else run_turn_sync)(eng, w)
+    counts = (run_env_loop if mode == "env_loop" else run_turn_sync)(eng, w)  # turn_sync*: the same loop
     if device == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
@@ -204,8 +206,9 @@ def run(tiny: bool, modes: list[str], out: str | None) -> list[dict]:
     hf = build_model(w, device)
     recs = [measure(m, hf, w, device) for m in modes]
     by = {r["mode"]: r for r in recs}
-    if "env_loop" in by and "turn_sync" in by:
-        by["env_loop"]["vs_turn_sync"] = round(by["env_loop"]["tok_s"] / by["turn_sync"]["tok_s"], 3)
+    for base in ("turn_sync", "turn_sync_nocache"):
+        if "env_loop" in by and base in by:
+            by["env_loop"][f"vs_{base}"] = round(by["env_loop"]["tok_s"] / by[base]["tok_s"], 3)
     for r in recs:
         line = json.dumps(r)
         print(line, flush=True)
@@ -232,7 +235,7 @@ def _commit() -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (a smoke run of both modes)")
-    p.add_argument("--modes", default="env_loop,turn_sync")
+    p.add_argument("--modes", default="env_loop,turn_sync,turn_sync_nocache")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not args.tiny and not torch.cuda.is_available():

@@ -310,7 +310,7 @@ def run_multiturn(out: str | None) -> list[dict]:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    return module.run(False, ["env_loop", "turn_sync"], out)
+    return module.run(False, ["env_loop", "turn_sync", "turn_sync_nocache"], out)
 
 
 def _commit() -> str:
