@@ -58,6 +58,15 @@ class AdderEnv:
         return 1.0 if self.sum == 5 else 0.0
 
 
+SEEN: list = []
+
+
+def shape_of_completions(completions, **_):
+    """A reward function that records the completions TRL hands it (and scores nothing)."""
+    SEEN.extend(completions)
+    return [None] * len(completions)
+
+
 class _Capture(TrainerCallback):
     def __init__(self):
         self.logs = []
@@ -96,8 +105,8 @@ def test_environment_factory_runs_on_the_engine_with_env_mask(tmp_path, monkeypa
                       max_tool_calling_iterations=2, generation_kwargs={"max_tokens": 8})
     logs = _Capture()
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Q{i}"}] for i in range(4)]})
-    trainer = Recording(model=tiny(), reward_funcs=[], args=args, train_dataset=data, processing_class=tok,
-                        rollout_func=rollout, environment_factory=AdderEnv, callbacks=[logs])
+    trainer = Recording(model=tiny(), reward_funcs=[shape_of_completions], args=args, train_dataset=data,
+                        processing_class=tok, rollout_func=rollout, environment_factory=AdderEnv, callbacks=[logs])
     trainer.train()
     rollout.close()
     episodes = rollout.last_outputs
@@ -113,6 +122,11 @@ def test_environment_factory_runs_on_the_engine_with_env_mask(tmp_path, monkeypa
     assert log["reward"] == 1.0  # AdderEnv.get_reward, through TRL's own reward path
     assert log["sampling/sampling_logp_difference/max"] <= 1e-4  # engine logprobs == the trainer's, multi-turn
     assert engine.scheduler.parked == {}
+    assert len(SEEN) == 4
+    for messages in SEEN:  # TRL's own loop's shape: assistant (with its tool call), tool, assistant
+        assert [m["role"] for m in messages] == ["assistant", "tool", "assistant"], messages
+        assert messages[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
+        assert messages[1] == {"role": "tool", "name": "add", "content": "5"}
 
 
 def add(a: int, b: int) -> int:

@@ -83,7 +83,7 @@ class EngineGRPOTrainer(GRPOTrainer):
             return super()._tool_call_loop(prompts, prompt_ids, completion_ids, completions, logprobs, images,
                                            multimodal_fields)
         self.rollout_func.last_tool_loop = None
-        return (done.env_mask, completions, completion_ids, logprobs, done.tool_calls, done.tool_failures,
+        return (done.env_mask, done.completions, completion_ids, logprobs, done.tool_calls, done.tool_failures,
                 [[] for _ in completion_ids])
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

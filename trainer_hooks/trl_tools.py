@@ -10,8 +10,9 @@ environments and tools, each turn continuing from its resident KV, tools off the
 tokens out of the loss and logs ``tools/call_frequency`` and ``tools/failure_frequency`` as usual.
 
 Limits as TRL's: ``max_tool_calling_iterations`` (model turns = iterations + 1), ``max_completion_length`` for the
-model and tool tokens together (a tool result that would pass it ends the rollout, not appended). A rollout's
-completion is a single assistant message to TRL's reward functions (TRL's own loop gives them the message list).
+model and tool tokens together (a tool result that would pass it ends the rollout, not appended). Reward functions
+get each rollout's completion as the message list TRL's own loop builds (assistant turns with their ``tool_calls``,
+then the ``tool`` messages).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class ToolLoopResult:
     env_mask: list[list[int]]
     tool_calls: int
     tool_failures: int
+    completions: list[list[dict[str, Any]]]  # each rollout's messages, as TRL's own loop builds them
 
 
 def trainer_tools(trainer: Any, count: int) -> list[dict[str, Any]]:
@@ -83,7 +85,8 @@ class ToolRollouts:
                 raise RuntimeError(f"rollout {ep.index} produced no tokens: {ep.error or ep.finish_reason}")
         return episodes, ToolLoopResult([list(ep.env_mask) for ep in episodes],
                                         sum(ep.tool_calls for ep in episodes),
-                                        sum(ep.tool_failures for ep in episodes))
+                                        sum(ep.tool_failures for ep in episodes),
+                                        [list(ep.messages) for ep in episodes])
 
     def close(self) -> None:
         self.loop.close()

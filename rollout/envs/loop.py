@@ -75,6 +75,8 @@ class Episode:
     tool_failures: int = 0
     reward: float | None = None
     error: str | None = None  # why an env_error row ended
+    # the completion as chat messages, TRL's shape: assistant turns (with their ``tool_calls``), tool / user replies
+    messages: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)
@@ -206,11 +208,12 @@ class EnvLoop:
         ep.num_turns += 1
         c.last_token = comp.token_ids[-1] if comp.token_ids else None
         reason = comp.finish_reason or "abort"
+        text = self.render.decode(new)
+        ep.messages.append({"role": "assistant", "content": text})
         full = (len(ep.prompt_ids) + len(comp.token_ids) >= min(self.engine.max_model_len, self.engine.kv.num_tokens)
                 or self._completion_room(c) < 1)
         if reason == "abort" or full:
             return self._end(c, reason if reason == "abort" else "length")
-        text = self.render.decode(new)
         if self.is_step:
             last = ep.num_turns >= self.limits.max_turns
             self._call(c, c.env.step, (text,), {}, lambda r, e: self._stepped(c, r, e, reason, last), True)
@@ -221,6 +224,9 @@ class EnvLoop:
         calls = self.parse_calls(c.row, ep.num_turns, text, new, before[-64:])
         if not calls:
             return self._end(c, "stop")
+        ep.messages[-1]["tool_calls"] = [{"type": "function", "function": {"name": k["name"],
+                                                                           "arguments": k.get("arguments", {})}}
+                                         for k in calls]
         self._run_tools(c, calls)
 
     def parse_calls(self, row: dict[str, Any], turn: int, text: str, ids: list[int] | None = None,
@@ -263,13 +269,15 @@ class EnvLoop:
                 self._call(c, c.tools[name], (), call["arguments"], then, True)
 
     def _reply(self, c: _Conv, messages: list[dict[str, Any]]) -> None:
-        self._call(c, self.render.reply, (messages, c.last_token), {}, lambda r, e: self._append(c, r, e), False)
+        self._call(c, self.render.reply, (messages, c.last_token), {},
+                   lambda r, e: self._append(c, r, e, messages), False)
 
-    def _append(self, c: _Conv, ids: Any, error: BaseException | None) -> None:
+    def _append(self, c: _Conv, ids: Any, error: BaseException | None, messages: list[dict[str, Any]]) -> None:
         if error is not None:
             return self._fail(c, f"the reply could not be rendered: {type(error).__name__}: {error}")
         if len(ids) + 1 > min(self.convs.room(c.rid), self._completion_room(c)):
             return self._end(c, "length")
+        c.ep.messages += messages
         self._to_resume.append((c, ids))
         self._resume_ready()
 
