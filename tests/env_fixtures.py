@@ -80,3 +80,13 @@ class SlowStep(ThreeTurns):
     def step(self, completion_text: str) -> str | None:
         time.sleep(0.3)
         return super().step(completion_text)
+
+
+class BadReward(ThreeTurns):
+    def get_reward(self):
+        return "not a number"
+
+
+class StepRaises(ThreeTurns):
+    def step(self, completion_text: str) -> str | None:
+        raise KeyError("no such state")

@@ -182,3 +182,16 @@ def test_weight_push_between_turns_tags_tokens_and_recomputes_parked_kv(default_
     assert any(0 in ep.policy_versions for ep in eps)
     given = sum(len(ep.prompt_ids) + ep.env_mask.count(0) for ep in eps)
     assert engine.get_stats().num_prefill_tokens > given  # the parked conversations were recomputed
+
+
+@pytest.mark.parametrize("factory, error", [
+    (env_fixtures.BadReward, "get_reward raised TypeError: it returned 'not a number', not a number"),
+    (env_fixtures.StepRaises, "step raised KeyError: 'no such state'"),
+])
+def test_env_methods_that_fail_give_env_error_rows(default_model, tokenizer, factory, error) -> None:
+    engine = make_engine(default_model)
+    eps = run(engine, tokenizer, factory, ROWS[:2])
+    for ep in eps:
+        assert ep.finish_reason == "env_error" and ep.error == error and ep.reward is None and ep.num_turns >= 1
+        assert len(ep.completion_ids) == len(ep.env_mask) > 0  # the tokens made so far stay in the row
+    assert engine.scheduler.parked == {} and engine.block_manager.num_free_blocks == engine.num_blocks

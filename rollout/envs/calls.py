@@ -69,6 +69,11 @@ class EnvCalls:
             pass
         self.poll()
 
+    @property
+    def num_pending(self) -> int:
+        """Calls whose continuation has not run yet."""
+        return len(self._pending)
+
     def forget(self) -> None:
         """Drop every call in flight (a run that raised): their late results are ignored."""
         self._pending.clear()

@@ -155,6 +155,9 @@ class EnvLoop:
                     self.convs.make_room()
                     for out in self.engine.step():
                         self._turn_ended(out)
+                elif not self.calls.num_pending and not self._to_resume:
+                    raise RuntimeError(f"the environment loop stalled: {self._active} conversations neither run "
+                                       "nor wait on their environment (bug)")
                 else:
                     self.calls.wait()
         finally:
@@ -301,10 +304,13 @@ class EnvLoop:
             self._active -= 1
 
     def _rewarded(self, c: _Conv, result: Any, error: BaseException | None) -> None:
+        if error is None and result is not None:
+            try:
+                c.ep.reward = float(result)
+            except (TypeError, ValueError):
+                error = TypeError(f"it returned {result!r:.100}, not a number")
         if error is not None:
             c.ep.finish_reason, c.ep.error = "env_error", f"get_reward raised {type(error).__name__}: {error}"
-        else:
-            c.ep.reward = None if result is None else float(result)
         self._active -= 1
 
     def _fail(self, c: _Conv, message: str) -> None:
