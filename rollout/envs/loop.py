@@ -110,19 +110,29 @@ class EnvLoop:
         schemas = spec.schemas if spec is not None else None
         self.render = renderer or ChatRenderer(tokenizer, schemas, **chat_template_kwargs)
         self.calls = EnvCalls(limits.env_workers)
-        self._rid_map: dict[str, _Conv] = {}
+        self._rid_map: dict[str, _Conv] = {}  # conversations not done yet, by request id
         self._to_resume: list[tuple[_Conv, list[int]]] = []
         self._active = 0
+        self.finished: list[Episode] = []  # done since the caller last cleared it, in the order they ended
 
     # ---- running --------------------------------------------------------------------------------------------
     def run(self, rows: list[dict[str, Any]], prompts: list[Any], params: list[SamplingParams],
             request_prefix: str = "conv") -> list[Episode]:
         """One conversation per row (``prompts[i]``: its prompt, a string or messages); rows in order."""
-        convs = [_Conv(Episode(i), None, dict(row), p) for i, (row, p) in enumerate(zip(rows, params, strict=True))]
-        self._active = len(convs)
-        self._rid_map = {f"{request_prefix}-{c.ep.index}": c for c in convs}
+        rids = [f"{request_prefix}-{i}" for i in range(len(rows))]
+        self.finished = []
+        episodes = self.add(rows, prompts, params, rids)
+        self.drive()
+        return episodes
+
+    def add(self, rows: list[dict[str, Any]], prompts: list[Any], params: list[SamplingParams],
+            rids: list[str]) -> list[Episode]:
+        """Start conversations (their ``reset`` first) without driving them; ``drive`` does. Their episodes fill
+        in as they go and reach ``finished`` when done (partial rounds hand some out and carry the rest)."""
+        convs = [_Conv(Episode(i), None, dict(row), p, rid=rid)
+                 for i, (row, p, rid) in enumerate(zip(rows, params, rids, strict=True))]
+        self._register(convs)
         for c, prompt in zip(convs, prompts, strict=True):
-            c.rid = f"{request_prefix}-{c.ep.index}"
             try:
                 c.env = self.spec.make()
                 c.tools = {name: getattr(c.env, name) for name in self.spec.tool_names}
@@ -130,7 +140,7 @@ class EnvLoop:
                 self._fail(c, f"the environment factory raised {type(e).__name__}: {e}")
                 continue
             self._call(c, c.env.reset, (), c.row, lambda r, e, c=c, p=prompt: self._reset_done(c, p, r, e), True)
-        return self._drive(convs)
+        return [c.ep for c in convs]
 
     def run_prepared(self, prompt_ids: list[list[int]], tools: list[dict[str, Callable[..., Any]]],
                      params: list[SamplingParams], request_prefix: str = "conv") -> list[Episode]:
@@ -139,16 +149,27 @@ class EnvLoop:
         callable conversation i may call. No ``get_reward`` here (the trainer scores)."""
         convs = [_Conv(Episode(i), None, {}, p, rid=f"{request_prefix}-{i}", tools=dict(t))
                  for i, (t, p) in enumerate(zip(tools, params, strict=True))]
-        self._active = len(convs)
-        self._rid_map = {c.rid: c for c in convs}
+        self.finished = []
+        self._register(convs)
         for c, ids in zip(convs, prompt_ids, strict=True):
             self._start(c, ("", list(ids)), None)
-        return self._drive(convs)
+        self.drive()
+        return [c.ep for c in convs]
 
-    def _drive(self, convs: list[_Conv]) -> list[Episode]:
-        self._to_resume = []
+    def _register(self, convs: list[_Conv]) -> None:
+        for c in convs:
+            if c.rid in self._rid_map:
+                raise ValueError(f"conversation id {c.rid!r} is already running")
+            self._rid_map[c.rid] = c
+        self._active += len(convs)
+
+    def drive(self, until: Callable[[], bool] | None = None) -> None:
+        """Step the engine and the environments until every conversation is done (or ``until()`` holds, checked
+        after each step: the others keep their state, KV and calls in flight, for a later ``drive``). If it
+        raises, every conversation is ended (aborted) and forgotten."""
+        self._to_resume = [x for x in self._to_resume if x[0].rid in self._rid_map]
         try:
-            while self._active:
+            while self._active and not (until is not None and until()):
                 self.calls.poll()
                 self._resume_ready()
                 if self.engine.has_unfinished_requests():
@@ -160,13 +181,19 @@ class EnvLoop:
                                        "nor wait on their environment (bug)")
                 else:
                     self.calls.wait()
-        finally:
-            for c in convs:
-                if c.live:
-                    self.engine.abort(c.rid)
-                    self.convs.end(c.rid)
-            self.calls.forget()  # a run that raised leaves calls behind: their late results are dropped
-        return [c.ep for c in convs]
+        except BaseException:
+            self.abandon()
+            raise
+
+    def abandon(self) -> None:
+        """End every conversation now (aborted, KV freed) and forget them and their calls in flight."""
+        for c in self._rid_map.values():
+            if c.live:
+                self.engine.abort(c.rid)
+                self.convs.end(c.rid)
+                c.live = False
+        self._rid_map, self._to_resume, self._active = {}, [], 0
+        self.calls.forget()  # their late results are dropped
 
     def close(self) -> None:
         self.calls.close()
@@ -301,7 +328,7 @@ class EnvLoop:
         if self.has_reward and c.env is not None:
             self._call(c, c.env.get_reward, (), {}, lambda r, e: self._rewarded(c, r, e), True)
         else:
-            self._active -= 1
+            self._done(c)
 
     def _rewarded(self, c: _Conv, result: Any, error: BaseException | None) -> None:
         if error is None and result is not None:
@@ -311,14 +338,19 @@ class EnvLoop:
                 error = TypeError(f"it returned {result!r:.100}, not a number")
         if error is not None:
             c.ep.finish_reason, c.ep.error = "env_error", f"get_reward raised {type(error).__name__}: {error}"
-        self._active -= 1
+        self._done(c)
 
     def _fail(self, c: _Conv, message: str) -> None:
         c.ep.finish_reason, c.ep.error = "env_error", message
         if c.live:
             self.convs.end(c.rid)
             c.live = False
+        self._done(c)
+
+    def _done(self, c: _Conv) -> None:
         self._active -= 1
+        self._rid_map.pop(c.rid, None)
+        self.finished.append(c.ep)
 
     def _completion_room(self, c: _Conv) -> int:
         m = self.limits.max_completion_tokens
