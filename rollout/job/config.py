@@ -74,8 +74,6 @@ def check_env_keys(cfg: RolloutConfig) -> None:
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
         fail("rollout.tool_timeout_s", t, "a number of seconds > 0")
     check_int("rollout.max_tool_result_chars", cfg.max_tool_result_chars, lo=1)
-    if cfg.env is not None and cfg.mode != "drain":
-        fail("rollout.mode", cfg.mode, "drain with rollout.env (conversations are not carried across rounds yet)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,8 +84,12 @@ def _run_locked(job: JobConfig, writer: Any) -> Path:
     if spec is not None:
         from rollout.job.env_rounds import EnvRoundDriver, env_limits
 
-        driver = EnvRoundDriver(engine, dataset, params, job.data.num_prompts, spec, env_limits(job.rollout, params),
-                                reward_fn, start_round=start.round, seed=start.job_seed)
+        ro = job.rollout
+        driver = EnvRoundDriver(engine, dataset, params, job.data.num_prompts, spec, env_limits(ro, params), reward_fn,
+                                start_round=start.round, seed=start.job_seed, mode=ro.mode,
+                                max_inflight_groups=ro.max_inflight_groups, max_staleness=ro.max_staleness,
+                                stale_groups=ro.stale_groups, recompute_running=ro.recompute_running,
+                                state=start.state)
     else:
         driver = RoundDriver(
             engine,
