@@ -75,6 +75,33 @@ def role_inproc(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps({**rec, "role": "inproc"}), flush=True)
 
 
+def _cpu_sim_engine(args: argparse.Namespace, w: dict):
+    """The embedded model on the CPU, each step padded by ``--cpu-sim-ms`` of sleep (the GIL released, as
+    while a CUDA step runs): what the server costs an engine that mostly waits on its device."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    import rollout.layers.attention as attention
+    from rollout import Engine
+    from rollout.assets import materialize_default_model
+
+    attention.reference_attention = lambda q, *a, **k: q * 0  # the device's work is the sleep below
+
+    torch_model = Qwen2ForCausalLM(Qwen2Config(vocab_size=786, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    tokenizer = AutoTokenizer.from_pretrained(materialize_default_model())
+    engine = Engine.from_pretrained(torch_model, dtype="float32", device="cpu", tokenizer=tokenizer,
+                                    max_model_len=w["prompt_len"] + w["new"] + 16, max_num_seqs=w["prompts"])
+    step, pad = engine.step, args.cpu_sim_ms / 1e3
+
+    def padded_step():
+        out = step()
+        time.sleep(pad)
+        return out
+
+    engine.step = padded_step
+    return engine
+
+
 def role_server(args: argparse.Namespace) -> None:
     import torch
 
@@ -83,6 +110,13 @@ def role_server(args: argparse.Namespace) -> None:
     from rollout.serve.config import ServeConfig, ServerConfig
     from rollout.settings.schema import SamplingConfig
 
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    server = dict(port=0, stream_interval_s=args.stream_interval) if args.stream_interval is not None else dict(port=0)
+    if args.cpu_sim_ms is not None:
+        w = _workload(args, _bench())
+        config = ServeConfig(sampling=SamplingConfig(n=1, max_tokens=16), server=ServerConfig(**server))
+        return serve(_cpu_sim_engine(args, w), config, "sim")
     torch.cuda.set_device(args.device)
     b = _bench()
     w = _workload(args, b)
@@ -95,7 +129,7 @@ def role_server(args: argparse.Namespace) -> None:
     for size in sorted(engine.runner.graph_sizes, reverse=True):
         if size <= len(warm):
             engine.generate(warm[:size], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    config = ServeConfig(sampling=SamplingConfig(n=1, max_tokens=16), server=ServerConfig(port=0, torch_threads=None))
+    config = ServeConfig(sampling=SamplingConfig(n=1, max_tokens=16), server=ServerConfig(**server, torch_threads=None))
     serve(engine, config, w["preset"])
 
 
@@ -166,6 +200,11 @@ def _child(role: str, device: int, *extra: str, args: argparse.Namespace | None 
     env = dict(os.environ, **SAFE_ENV, PYTHONUNBUFFERED="1")
     if args is not None and args.stream_cost:
         extra = (*extra, "--stream-cost", "--stream-tokens", str(args.stream_tokens))
+    if args is not None and args.cpu_sim_ms is not None:
+        extra = (*extra, "--cpu-sim-ms", str(args.cpu_sim_ms))
+    for flag in ("stream_interval", "switch_interval"):
+        if args is not None and getattr(args, flag) is not None:
+            extra = (*extra, "--" + flag.replace("_", "-"), str(getattr(args, flag)))
     return subprocess.Popen([sys.executable, __file__, role, "--device", str(device), *extra], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -243,35 +282,53 @@ def _steps(url: str) -> float:
 
 def stream_cost(args: argparse.Namespace) -> None:
     """What streaming costs the engine: the same 256 sequences plain and streamed (SSE deltas), wall per engine
-    step in each. Bar: streamed <= 1.02x plain."""
+    step in each (sampled as RL does: temperature 1, seeded). Bar: streamed < 1.02x plain. Each of
+    ``--variants`` (``stream_interval_s[/switch_interval_s]``) streams through a server of its own; the plain run
+    is measured on the first."""
     from rollout import SamplingParams
     from trainer_hooks.client import RolloutClient
 
     b = _bench()
     w = _workload(args, b)
-    server, url = _start_server(args)
-    records = []
-    try:
-        client = RolloutClient(url, max_concurrency=w["prompts"])
-        prompts, _ = b.make_prompts(w, b.PRESETS[w["preset"]][1]["vocab_size"])
-        p = SamplingParams(temperature=0, max_tokens=w["new"], ignore_eos=True)
-        client.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-        runs = {}
-        for mode in ("plain", "stream"):
-            s0, t0 = _steps(url), time.perf_counter()
-            tokens = (sum(len(c.token_ids) for o in client.generate(prompts, p) for c in o.outputs)
-                      if mode == "plain" else _stream_all(url, client.model, prompts, p))
-            wall, steps = time.perf_counter() - t0, _steps(url) - s0
-            runs[mode] = dict(wall_s=round(wall, 3), tokens=tokens, steps=int(steps),
-                              step_ms=round(wall / max(steps, 1) * 1e3, 4), tok_s=round(tokens / wall, 1))
-        cost = runs["stream"]["step_ms"] / runs["plain"]["step_ms"] - 1
-        rec = dict(workload="stream_cost", preset=w["preset"], sequences=w["prompts"], new_tokens=w["new"], **{
-            f"{m}_{k}": v for m, r in runs.items() for k, v in r.items()}, cost=round(cost, 4), bar=0.02,
-            meets_bar=cost < 0.02, commit=os.environ.get("COMMIT"))
-        records.append(rec)
-        print(json.dumps(rec), flush=True)
-    finally:
-        _stop(server, records, args.out)
+    vocab = 700 if args.cpu_sim_ms is not None else b.PRESETS[w["preset"]][1]["vocab_size"]
+    prompts, _ = b.make_prompts(w, vocab)
+    p = SamplingParams(temperature=1.0, seed=0, max_tokens=w["new"], ignore_eos=True)
+    records, plain = [], None
+    for variant in (args.variants or "default").split(","):
+        interval, _, switch = variant.partition("/")
+        args.stream_interval = None if interval in ("", "default") else float(interval)
+        args.switch_interval = float(switch) if switch else None
+        server, url = _start_server(args)
+        try:
+            client = RolloutClient(url, max_concurrency=w["prompts"])
+            # warm-up on every server (allocator, graphs at every batch size), so neither timed run goes first cold
+            client.generate(prompts, SamplingParams(temperature=1.0, seed=1, max_tokens=min(512, w["new"]),
+                                                    ignore_eos=True))
+            runs = {}
+            modes = [m for m in ("plain", "stream") if m in args.modes and (m == "stream" or plain is None)]
+            for mode in modes:
+                s0, t0 = _steps(url), time.perf_counter()
+                tokens = (sum(len(c.token_ids) for o in client.generate(prompts, p) for c in o.outputs)
+                          if mode == "plain" else _stream_all(url, client.model, prompts, p))
+                wall, steps = time.perf_counter() - t0, _steps(url) - s0
+                runs[mode] = dict(wall_s=round(wall, 3), tokens=tokens, steps=int(steps),
+                                  step_ms=round(wall / max(steps, 1) * 1e3, 4), tok_s=round(tokens / wall, 1))
+            plain = runs.get("plain", plain)
+            if plain is not None:
+                runs["plain"] = plain
+            cost = runs["stream"]["step_ms"] / plain["step_ms"] - 1 if "stream" in runs and plain else None
+            rec = dict(workload="stream_cost", preset=w["preset"], sequences=w["prompts"], new_tokens=w["new"],
+                       sampling="t1", stream_interval_s=args.stream_interval, switch_interval_s=args.switch_interval,
+                       **{f"{m}_{k}": v for m, r in runs.items() for k, v in r.items()},
+                       cost=None if cost is None else round(cost, 4), bar=0.02,
+                       meets_bar=None if cost is None else cost < 0.02, commit=os.environ.get("COMMIT"))
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+        finally:
+            _stop(server, [], None)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
 
 
 def drive(args: argparse.Namespace) -> None:
@@ -328,6 +385,14 @@ def main() -> None:
     p.add_argument("--stream-cost", action="store_true",
                    help="one GPU: 256 sequences plain vs streamed, engine wall per step (bar: < 2%% more)")
     p.add_argument("--stream-tokens", type=int, default=16384, help="new tokens per sequence in --stream-cost")
+    p.add_argument("--variants", default=None,
+                   help="--stream-cost: comma-separated server variants, each stream_interval_s[/switch_interval_s]")
+    p.add_argument("--modes", default="plain,stream",
+                   help="--stream-cost: plain, stream or both (at 16K tokens each takes minutes: one call each)")
+    p.add_argument("--stream-interval", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--switch-interval", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cpu-sim-ms", type=float, default=None,
+                   help="--stream-cost on the CPU: the embedded model, each step padded by this much device-like wait")
     p.add_argument("--one-gpu", action="store_true",
                    help="engine and server on GPU 0, no trainer (the NCCL push needs a second GPU)")
     args = p.parse_args()

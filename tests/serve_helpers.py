@@ -84,3 +84,30 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+
+
+def vllm_unique_id_pickle(raw: bytes) -> bytes:
+    """What vLLM's StatelessProcessGroup.broadcast_obj stores for rank 0's NCCL id: a pickled pynccl
+    ``ncclUniqueId`` (its module faked here: vLLM is not installed), holding ``raw`` (128 bytes)."""
+    import ctypes
+    import pickle
+    import types
+
+    name = "vllm.distributed.device_communicators.pynccl_wrapper"
+
+    class ncclUniqueId(ctypes.Structure):  # noqa: N801 - vLLM's name, as the pickle names it
+        _fields_ = [("internal", ctypes.c_byte * 128)]
+
+    ncclUniqueId.__module__, ncclUniqueId.__qualname__ = name, "ncclUniqueId"
+    parts = name.split(".")
+    names = [".".join(parts[: i + 1]) for i in range(len(parts))]
+    for n in names:
+        sys.modules[n] = types.ModuleType(n)
+    sys.modules[name].ncclUniqueId = ncclUniqueId  # type: ignore[attr-defined]
+    try:
+        uid = ncclUniqueId()
+        ctypes.memmove(ctypes.addressof(uid), raw, 128)
+        return pickle.dumps(uid)
+    finally:
+        for n in names:
+            del sys.modules[n]

@@ -153,7 +153,7 @@ def test_a_damaged_round_file_is_named_on_resume(tmp_path: Path, where: str) -> 
     _rounds(TrajectoryWriter(tmp_path, with_reward=True), 3)
     path = tmp_path / "trajectories" / "round_00001.parquet"
     data = bytearray(path.read_bytes())
-    at = len(data) // 3 if where == "middle" else len(data) - 12
+    at = len(data) // 4 if where == "middle" else len(data) - 12  # middle: inside a data page (checksummed)
     for i in range(at, at + 4):
         data[i] ^= 0x5A
     path.write_bytes(bytes(data))

@@ -78,7 +78,7 @@ def test_step_callback_and_progress(tokenizer, capsys) -> None:
         seen[0]
     )
     assert all(s["engine_step"] % 2 == 0 for s in seen[:-1])  # every 2 steps, plus one when the round ends
-    assert "round 0" in capsys.readouterr().err  # the tqdm bar
+    assert "round 1" in capsys.readouterr().err  # the tqdm bar (rounds counted from 1 there: "round 1/M")
 
 
 def test_update_weights_between_rounds(tokenizer) -> None:

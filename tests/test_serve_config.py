@@ -32,6 +32,7 @@ def test_defaults_are_the_tiny_model_on_loopback():
         ("server.max_connections=0", "server.max_connections=0"),
         ("server.header_timeout_s=0", "server.header_timeout_s=0"),
         ("server.stream_buffer_tokens=-1", "server.stream_buffer_tokens=-1"),
+        ("server.stream_interval_s=-0.5", "server.stream_interval_s=-0.5"),
         ("+server.bogus=1", "server.bogus"),
         ("server.admin=maybe", "server.admin='maybe'"),
         ("server.weight_sources=[loopback,not-an-ip]", "server.weight_sources entry 'not-an-ip'"),

@@ -65,7 +65,9 @@ def _call(server: Server, method: str, path: str, body=None, key: str | None = N
 
 ROUTES = [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
           ("POST", "/pause"), ("POST", "/resume"), ("POST", "/sleep"), ("POST", "/init_weight_transfer"),
-          ("POST", "/update_weights_from_disk"), ("GET", "/policy_version"), ("POST", "/health"), ("GET", "/nowhere")]
+          ("POST", "/update_weights_from_disk"), ("GET", "/policy_version"), ("POST", "/health"), ("GET", "/nowhere"),
+          ("POST", "/generate"), ("GET", "/get_model_info"), ("GET", "/server_info"), ("GET", "/flush_cache"),
+          ("POST", "/init_weights_update_group"), ("POST", "/update_weights_from_distributed")]
 
 
 @pytest.mark.parametrize("method, path", ROUTES)
@@ -90,11 +92,16 @@ def test_the_key_opens_every_route_and_the_client_sends_it(env, monkeypatch):
 
 def test_admin_off_removes_the_admin_routes(env):
     for path in ("/pause", "/resume", "/sleep", "/wake_up", "/reset_prefix_cache", "/init_weight_transfer",
-                 "/update_weights", "/update_weights_from_disk"):
+                 "/update_weights", "/update_weights_from_disk", "/flush_cache", "/pause_generation",
+                 "/continue_generation", "/init_weights_update_group", "/update_weights_from_distributed",
+                 "/destroy_weights_update_group", "/release_memory_occupation", "/resume_memory_occupation"):
         status, body = _call(env.plain, "POST", path, {})
         assert status == 404 and body["error"]["type"] == "not_found_error", path
-    for path in ("/policy_version", "/is_paused", "/is_sleeping", "/v1/models"):  # reading stays
+    for path in ("/policy_version", "/is_paused", "/is_sleeping", "/v1/models", "/get_model_info",
+                 "/get_server_info"):  # reading stays
         assert _call(env.plain, "GET", path)[0] == 200, path
+    info = _call(env.plain, "GET", "/server_info?config_format=json")[1]
+    assert info["vllm_config"]["weight_transfer_config"] is None  # TRL stops before any weight call
 
 
 def test_exposure_warning():

@@ -9,6 +9,12 @@ else that must happen at a step boundary (weight updates, pause, sleep, stats) r
 ``call``. The HTTP server and each pool replica run one, so a caller never blocks a step and a step never
 waits on a caller.
 
+Streams cost the loop O(1) per step: their deltas are collected at most every ``stream_interval_s`` (and
+skipped while the listeners are still busy with the last batch: the tokens wait in the engine and come in
+the next one), then handed in one batch to a second thread that calls the ``on_partial`` listeners and
+settles the streams' futures, in order (a stream's last delta before its final output). The listeners'
+work (detokenizing, rendering events) never runs in the stepping thread.
+
 A step that raises is rolled back by the engine. The requests it held (``Engine.failed_request_ids``)
 fail with its error and are aborted, so a request that breaks every step it is in cannot wedge the loop;
 the loop serves everything else on. Should the thread itself die (a bug outside a step), ``alive`` turns
@@ -68,10 +74,13 @@ class TokenRate:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Any, name: str = "rollout-engine-loop") -> None:
+    def __init__(self, engine: Any, name: str = "rollout-engine-loop", stream_interval_s: float = 0.0) -> None:
+        if not (isinstance(stream_interval_s, (int, float)) and 0 <= stream_interval_s <= 60):
+            raise ValueError(f"stream_interval_s={stream_interval_s!r}; allowed: seconds in [0, 60]")
         self.engine = engine
+        self.stream_interval_s = float(stream_interval_s)
         self._cv = threading.Condition()
-        self._incoming: deque[tuple[Any, SamplingParams | None, str]] = deque()  # (prompt, params, id) to add
+        self._incoming: deque[tuple[Any, SamplingParams | None, str, int]] = deque()  # (prompt, params, id, priority)
         self._aborts: deque[str] = deque()
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
         self._waiters: dict[str, _Waiter] = {}
@@ -83,9 +92,15 @@ class AsyncEngine:
         self.error: BaseException | None = None  # what killed the thread, if something did
         self._cuda_index = _cuda_index(engine.device)  # resolved here, in the thread that built the engine
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._last_flush = 0.0
+        self._stream_batches: deque[list[tuple[_Waiter, Any, BaseException | None, bool]] | None] = deque()
+        self._stream_busy = False  # a batch is queued or being delivered: the next flush waits for it
+        self._stream_cv = threading.Condition()
+        self._streamer = threading.Thread(target=self._deliver_streams, name=name + "-streams", daemon=True)
 
     # ---- any thread --------------------------------------------------------------------------------
     def start(self) -> AsyncEngine:
+        self._streamer.start()
         self._thread.start()
         return self
 
@@ -100,13 +115,16 @@ class AsyncEngine:
             self._thread.join(timeout)
         if not self._thread.is_alive():  # never started, or done: nothing else will fail them
             self._fail_pending()
+            self._stop_streamer(timeout)
 
     def submit(self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None,
-               on_partial: Callable[[RequestOutput], None] | None = None) -> Future:
+               on_partial: Callable[[RequestOutput], None] | None = None, priority: int = 0) -> Future:
         """Queue one request; its future gets the finished output, or the error that refused or failed it.
 
-        ``on_partial`` is called in the loop thread after each step that landed new tokens with those tokens
-        only (per sample: ids, logprobs, policy versions; no text). Cancelling the future aborts the request.
+        ``on_partial`` is called (in the stream thread, one call at a time) with the tokens landed since its
+        last call only (per sample: ids, logprobs, policy versions; no text), at most every
+        ``stream_interval_s``; the future of such a request is settled after its last ``on_partial`` call.
+        Cancelling the future aborts the request. ``priority`` goes to ``add_request`` (lower is scheduled first).
         """
         rid = uuid.uuid4().hex if request_id is None else request_id
         fut: Future = Future()
@@ -119,7 +137,7 @@ class AsyncEngine:
             n = n if type(n) is int and n > 0 else 1
             self._waiters[rid] = waiter = _Waiter(fut, on_partial, n, [0] * n)
             self._num_seqs += waiter.num_seqs
-            self._incoming.append((prompt, params, rid))
+            self._incoming.append((prompt, params, rid, priority))
             self._cv.notify_all()
         fut.add_done_callback(lambda f: self.abort(rid) if f.cancelled() else None)
         return fut
@@ -194,6 +212,7 @@ class AsyncEngine:
             with self._cv:
                 self.error, self._stopping = e, True
         self._fail_pending()
+        self._stop_streamer(None)
 
     def _serve(self) -> None:
         if self._cuda_index is not None:
@@ -221,12 +240,12 @@ class AsyncEngine:
             if self._runnable():
                 self._step()
 
-    def _add(self, incoming: deque[tuple[Any, SamplingParams | None, str]]) -> None:
-        for prompt, params, rid in incoming:
+    def _add(self, incoming: deque[tuple[Any, SamplingParams | None, str, int]]) -> None:
+        for prompt, params, rid, priority in incoming:
             if rid not in self._waiters:
                 continue  # aborted before it was added
             try:
-                self.engine.add_request(prompt, params, rid)
+                self.engine.add_request(prompt, params, rid, **({"priority": priority} if priority else {}))
             except Exception as e:  # noqa: BLE001 - the request's own fault: handed to its future
                 self._fail([rid], e)
 
@@ -248,28 +267,74 @@ class AsyncEngine:
         self._dispatch(outs)
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
+        now = time.monotonic()
         with self._cv:
-            finished = [(self._pop(o.request_id), o) for o in outs]
-            streams = [(rid, w) for rid, w in self._waiters.items() if w.on_partial is not None]
+            finished = [w for w in ((self._pop(o.request_id), o) for o in outs) if w[0] is not None]
+            due = not self._stream_busy and now - self._last_flush >= self.stream_interval_s
+            streams = [(rid, w) for rid, w in self._waiters.items() if w.on_partial is not None] if due else []
+        batch = []
         for waiter, out in finished:
-            if waiter is not None:
+            if waiter.on_partial is None:
                 _resolve(waiter.future, out, None)
+            else:  # after the deltas already handed over
+                batch.append((waiter, out, None, True))
         for rid, waiter in streams:
             part = self.engine.partial_output(rid, since=waiter.sent)
             if part is not None and any(c.token_ids for c in part.outputs):
                 for c in part.outputs:
                     waiter.sent[c.index] += len(c.token_ids)
+                batch.append((waiter, part, None, False))
+        if streams:
+            self._last_flush = now
+        self._hand_over(batch)
+        self.rate.add(now, lambda: self.engine.get_stats().num_generated_tokens)
+
+    # ---- streams: delivered by their own thread ---------------------------------------------------------
+    def _hand_over(self, batch: list[tuple[_Waiter, Any, BaseException | None, bool]]) -> None:
+        if batch:
+            with self._stream_cv:
+                self._stream_batches.append(batch)
+                self._stream_busy = True
+                self._stream_cv.notify()
+
+    def _deliver_streams(self) -> None:
+        while True:
+            with self._stream_cv:
+                while not self._stream_batches:
+                    self._stream_busy = False
+                    self._stream_cv.wait()
+                batch = self._stream_batches.popleft()
+            if batch is None:  # closing: everything before it was delivered
+                return
+            for waiter, out, exc, final in batch:
+                if final:
+                    _resolve(waiter.future, out, exc)
+                    continue
+                if waiter.future.done():  # aborted meanwhile
+                    continue
                 try:
-                    waiter.on_partial(part)  # type: ignore[misc]
-                except Exception:  # noqa: BLE001 - a listener's bug must not stop the loop
-                    log.exception("on_partial failed for request %s", rid)
-        self.rate.add(time.monotonic(), lambda: self.engine.get_stats().num_generated_tokens)
+                    waiter.on_partial(out)  # type: ignore[misc]
+                except Exception:  # noqa: BLE001 - a listener's bug must not stop the others
+                    log.exception("on_partial failed for request %s", out.request_id)
+                time.sleep(0)  # hand the GIL back now if the stepping thread waits for it (not after 5 ms)
+
+    def _stop_streamer(self, timeout: float | None) -> None:
+        """After the last batch: the stream thread delivers everything queued, then exits."""
+        with self._stream_cv:
+            if self._streamer.is_alive() and None not in self._stream_batches:
+                self._stream_batches.append(None)
+                self._stream_cv.notify()
+        if self._streamer.is_alive() and self._streamer is not threading.current_thread():
+            self._streamer.join(timeout)
 
     def _fail(self, ids: list[str], exc: BaseException) -> None:
         with self._cv:
             waiters = [w for w in (self._pop(r) for r in ids) if w is not None]
         for w in waiters:
-            _resolve(w.future, None, exc)
+            if w.on_partial is None or not self._streamer.is_alive():
+                _resolve(w.future, None, exc)
+        self._hand_over([(w, None, exc, True) for w in waiters if w.on_partial is not None
+                         and self._streamer.is_alive()])
 
     def _fail_pending(self) -> None:
         """Closing: every pending request is aborted in the engine and its future fails, as do the calls."""

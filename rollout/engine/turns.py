@@ -71,6 +71,8 @@ class Conversations:
             del sched.parked[request_id]
             version = seq.policy_versions[-1] if seq.policy_versions else eng.policy_version
             seq.token_ids += given_ids
+            if seq.params.logprobs is not None:  # top logprobs stay one per output token (none at given ones)
+                seq.top_logprobs += [[] for _ in given_ids]
             seq.logprobs += [0.0] * len(given_ids)
             seq.policy_versions += [version] * len(given_ids)
             n_out = seq.num_output_tokens

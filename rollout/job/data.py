@@ -31,6 +31,7 @@ class Prompt:
     text: str  # what the model sees (after the chat template, if one was applied)
     token_ids: tuple[int, ...]
     answer: str | None
+    columns: tuple[tuple[str, Any], ...] = ()  # every column of the row, as the trajectory names them
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +74,13 @@ class PromptDataset:
         row = self.rows[index]
         text, ids = self._render(row[self.prompt_field], index)
         answer = row[self.answer_field] if self.answer_field is not None else None
-        return Prompt(index, text, tuple(ids), None if answer is None else str(answer))
+        columns = tuple((column_name(k), v) for k, v in row.items())
+        return Prompt(index, text, tuple(ids), None if answer is None else str(answer), columns)
+
+    def column_types(self) -> dict[str, Any]:
+        """Arrow type of every dataset column, under the name trajectories give it (``column_name``)."""
+        schema = self.rows.data.schema
+        return {column_name(f.name): f.type for f in schema}
 
     def batch(self, start: int, count: int) -> list[Prompt]:
         return [self.get(start + i) for i in range(count)]
@@ -130,6 +137,19 @@ class PromptDataset:
                 "(or set data.apply_chat_template=false for plain strings)"
             )
         return encode_prompt(tok, messages)
+
+
+DATA_PREFIX = "data_"  # a dataset column whose name a trajectory column already has gets this prefix
+
+
+def column_name(name: str) -> str:
+    """A dataset column's name in the trajectories: its own, prefixed where a trajectory column has it."""
+    from rollout.job.trajectory_writer import trajectory_schema
+
+    taken = set(trajectory_schema(True, True).names)
+    while name in taken:
+        name = DATA_PREFIX + name
+    return name
 
 
 def load_prompt_dataset(cfg: DataConfig, tokenizer: Any, require_answer: bool = False) -> PromptDataset:

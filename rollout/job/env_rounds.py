@@ -19,7 +19,7 @@ from typing import Any
 
 from rollout.api import ContinuousBackend, require_backend
 from rollout.envs import EnvLimits, EnvLoop, EnvSpec, Episode
-from rollout.job.data import PromptDataset
+from rollout.job.data import PromptDataset, column_name
 from rollout.job.rounds import RoundResult
 from rollout.job.seeds import SEED_BITS, request_seed
 from rollout.job.trajectory import Trajectory
@@ -207,6 +207,7 @@ class EnvRoundDriver:
             min_policy_version=min(versions), max_policy_version=max(versions), reward=reward,
             env_mask=list(ep.env_mask), num_turns=ep.num_turns, tool_calls=ep.tool_calls,
             tool_failures=ep.tool_failures, env_error=ep.error,
+            columns={column_name(k): v for k, v in row.items()},
         )
 
     def _metrics(self, r: int, episodes: list[Episode], rows: list[Trajectory], before: Any, after: Any,

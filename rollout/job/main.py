@@ -74,6 +74,7 @@ def _run_locked(job: JobConfig, writer: Any) -> Path:
     model_dir = settings_model.model_dir(job.model)
     tokenizer = load_tokenizer(model_dir, job.model.tokenizer)
     dataset = load_prompt_dataset(job.data, tokenizer, require_answer=reward_fn is not None)
+    writer.set_data_columns(dataset.column_types())  # trajectories keep every column of their dataset row
     bandwidth = setup.copy_bandwidth(job)  # before the engine takes its memory
     engine = setup.load_engine(job, model_dir, tokenizer)
     dataset.check(setup.prompt_limits(engine), params, where=f"data.path={job.data.path or 'embedded'!r}")
@@ -109,6 +110,7 @@ def _run_locked(job: JobConfig, writer: Any) -> Path:
             max_inflight_groups=job.rollout.max_inflight_groups,
             state=start.state,
             copy_bandwidth=bandwidth,
+            num_rounds=job.rollout.rounds,
         )
     exit_code, wrote = 1, False
     threads = torch_threads(job.rollout.torch_threads)

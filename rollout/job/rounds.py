@@ -67,11 +67,13 @@ class RoundDriver:
         max_inflight_groups: int | None = None,
         state: dict[str, Any] | None = None,
         copy_bandwidth: float | None = None,
+        num_rounds: int | None = None,
     ) -> None:
         """``seed``: the job seed; each request's seed derives from it, the round and the group, so a
         resumed run repeats an uninterrupted one (None leaves unseeded requests to the engine).
         ``state``: a previous run's ``state()`` after its last complete round (partial mode's resume).
-        ``copy_bandwidth``: the device's measured bytes/s (``rollout.job.bandwidth``), for the floor ratio."""
+        ``copy_bandwidth``: the device's measured bytes/s (``rollout.job.bandwidth``), for the floor ratio.
+        ``num_rounds``: the job's rounds, for the progress bar's "round N/M"."""
         if num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
         if start_round < 0:
@@ -97,7 +99,7 @@ class RoundDriver:
             for g in sorted(int(g) for g in state["inflight_groups"]):
                 self.groups.queue(Group(g))  # submitted (again) before fresh ones
         self._in_round = False
-        self.copy_bandwidth = copy_bandwidth
+        self.copy_bandwidth, self.num_rounds = copy_bandwidth, num_rounds
         self._awaiting_first: dict[str, float] = {}  # request id -> submission time, in submission order
         self._pool_meter = PoolMeter()
 
@@ -204,8 +206,11 @@ class RoundDriver:
     def _drive(self, r: int, trace: RoundTrace, generated0: int) -> list[Group]:
         """Step until ``num_prompts`` groups can be handed out; returns them by group id."""
         handed = self.groups.take(self.num_prompts, trace)
-        bar = _progress_bar(self.num_prompts * self.params.n, f"round {r}", self.progress)
+        of = f"/{self.num_rounds}" if self.num_rounds is not None else ""
+        bar = _progress_bar(self.num_prompts * self.params.n * self.params.max_tokens, f"round {r + 1}{of}",
+                            self.progress)
         window = [trace.t0, generated0]
+        counted = generated0  # tokens the bar has shown: it counts generated tokens, so it moves every step
         steps, scheduled = 0, self.engine.get_stats().num_scheduled_seqs
         try:
             while len(handed) < self.num_prompts:
@@ -226,11 +231,15 @@ class RoundDriver:
                 taken = self.groups.take(self.num_prompts - len(handed), trace)
                 handed += taken
                 if bar is not None:
-                    bar.update(len(taken) * self.params.n)
+                    bar.update(stats.num_generated_tokens - counted)
+                    counted = stats.num_generated_tokens
+                    bar.set_postfix_str(f"{len(handed)}/{self.num_prompts} groups, running "
+                                        f"{stats.num_running_seqs}, KV {100 * stats.kv_cache_usage:.0f}%",
+                                        refresh=False)
                 if self.partial:
                     self._fill(r)
                 if steps % self.log_every_steps == 0 or len(handed) >= self.num_prompts:
-                    self._log_step(stats, window, bar)
+                    self._log_step(stats, window)
         finally:
             if bar is not None:
                 bar.close()
@@ -251,12 +260,10 @@ class RoundDriver:
         for rid in list(itertools.islice(self._awaiting_first, max(new, 0))):
             trace.ttft.append(now - self._awaiting_first.pop(rid))
 
-    def _log_step(self, stats: Any, window: list[float], bar: Any) -> None:
+    def _log_step(self, stats: Any, window: list[float]) -> None:
         now = time.perf_counter()
         tok_s = (stats.num_generated_tokens - window[1]) / max(now - window[0], 1e-9)
         window[:] = [now, stats.num_generated_tokens]
-        if bar is not None:
-            bar.set_postfix(tok_s=f"{tok_s:.0f}", running=stats.num_running_seqs, refresh=False)
         if self.on_step is not None:
             self.on_step(
                 {
@@ -285,4 +292,5 @@ def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit="sample", dynamic_ncols=True)
+    # generated tokens (tqdm shows their rate as tok/s); the total is the round's most (every sample to max_tokens)
+    return tqdm(total=total, desc=desc, unit="tok", unit_scale=True, dynamic_ncols=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -24,6 +24,8 @@ class Trajectory:
     min_policy_version: int  # the oldest and newest of them (the current version for an empty completion)
     max_policy_version: int
     reward: float | None = None
+    stop_reason: str | None = None  # the stop string, or the stop token id as text; None for EOS or a length stop
+    columns: dict[str, Any] = field(default_factory=dict)  # the dataset row's own columns (``PromptDataset``)
     # multi-turn rows (rollout.env): completion_ids hold model and environment tokens, logprobs 0.0 at the latter
     env_mask: list[int] | None = None  # 1 model token, 0 environment token (TRL's)
     num_turns: int = 1
@@ -59,6 +61,8 @@ def group_trajectories(
                 min_policy_version=min(versions),
                 max_policy_version=max(versions),
                 reward=reward_fn(text, prompt.answer) if reward_fn is not None else None,
+                stop_reason=None if c.stop_reason is None else str(c.stop_reason),
+                columns=dict(getattr(prompt, "columns", ())),
             )
         )
     return rows

@@ -58,6 +58,7 @@ def trajectory_schema(with_reward: bool, with_env: bool = False) -> pa.Schema:
         ("policy_versions", pa.list_(pa.int64())),  # the weights that made each token
         ("min_policy_version", pa.int64()),
         ("max_policy_version", pa.int64()),
+        ("stop_reason", pa.string()),  # the stop string or stop token id that ended it (null: EOS or length)
     ]
     if with_reward:
         fields.append(("reward", pa.float64()))
@@ -72,6 +73,7 @@ class TrajectoryWriter:
         self.dir = prepare_output_dir(output_dir)
         self.rounds_dir = self.dir / TRAJECTORIES
         self.schema = trajectory_schema(with_reward, with_env)
+        self.base_names = list(self.schema.names)  # then the dataset's columns (``set_data_columns``)
         self.num_rows = 0
         self.state: dict[str, Any] | None = None  # the last complete round's round driver's state (after resume)
 
@@ -136,8 +138,10 @@ class TrajectoryWriter:
                 f"{path} is corrupt ({e}); move it and every later round file away to resume from the round "
                 "before it, or start a new output_dir"
             ) from None
-        if names != self.schema.names:
-            raise ValueError(f"cannot resume: {path} has columns {names}, this run writes {self.schema.names}")
+        fixed = set(trajectory_schema(True, True).names)  # the dataset's columns follow ours, never one of ours
+        if names[: len(self.base_names)] != self.base_names or fixed & set(names[len(self.base_names):]):
+            raise ValueError(f"cannot resume: {path} has columns {names}, this run writes {self.base_names} "
+                             "and the dataset's columns")
         return f
 
     def write_round(
@@ -190,8 +194,15 @@ class TrajectoryWriter:
         found = (_ROUND_FILE.match(p.name) for p in self.rounds_dir.iterdir())
         return {int(m.group(1)): self.rounds_dir / m.group(0) for m in found if m}
 
+    def set_data_columns(self, types: Mapping[str, pa.DataType]) -> None:
+        """Every trajectory also carries its dataset row's columns (``PromptDataset.column_types``)."""
+        base = trajectory_schema("reward" in self.base_names, "env_mask" in self.base_names)
+        self.schema = pa.schema([*base, *types.items()])
+
     def _to_table(self, trajectories: Sequence[Trajectory]) -> pa.Table:
-        columns = {name: [getattr(t, name) for t in trajectories] for name in self.schema.names}
+        columns = {name: [getattr(t, name) for t in trajectories] for name in self.base_names}
+        for name in self.schema.names[len(self.base_names):]:
+            columns[name] = [t.columns.get(name) for t in trajectories]
         return pa.Table.from_pydict(columns, schema=self.schema)
 
     def _read_metrics(self) -> list[dict[str, Any]]:

@@ -67,7 +67,8 @@ async def init_weight_transfer(request: Request) -> dict[str, Any]:
     timeout_s = min(info.timeout_s, st.settings.max_weight_timeout_s)
     try:
         group = await asyncio.to_thread(st.receiver.join, address, info.master_port, info.world_size,
-                                        info.rank_offset, info.backend, timeout_s)
+                                        info.rank_offset, info.backend, timeout_s, info.packed,
+                                        info.packed_buffer_size_bytes)
     except ValueError as e:  # our own checks: backend, rank
         raise APIError(400, str(e)) from None
     except Exception as e:  # noqa: BLE001 - the store or the group could not be reached
@@ -113,16 +114,21 @@ async def update_weights(request: Request) -> dict[str, Any]:
 
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(request: Request) -> dict[str, Any]:
-    """Load a Hugging Face safetensors directory (``step_<N>`` becomes version N unless ``version`` is given)."""
+    """Load a Hugging Face safetensors directory (``step_<N>`` becomes version N unless ``version`` is given).
+
+    SGLang's body (``model_path``, ``weight_version``, ``abort_all_requests``) is the same update."""
     st = state(request)
     upd: UpdateWeightsFromDisk = await _body(request, UpdateWeightsFromDisk, "update_info")
+    where, version = upd.where(), upd.new_version()
     try:
-        weights = await asyncio.to_thread(CheckpointWeights, upd.path, st.settings.weights_root)
+        weights = await asyncio.to_thread(CheckpointWeights, where, st.settings.weights_root)
     except PermissionError as e:
         raise APIError(403, str(e), param="path") from None
     except (OSError, ValueError) as e:
         raise APIError(400, str(e), param="path") from None
-    version = upd.version if upd.version is not None else step_of(weights.path)
+    version = version if version is not None else step_of(weights.path)
+    if upd.abort_all_requests:
+        await st.run(st.loop.abort_all)
     t0 = time.perf_counter()
     try:
         new = await st.run(lambda: st.engine.update_weights(weights, version, upd.recompute_running))
@@ -131,7 +137,7 @@ async def update_weights_from_disk(request: Request) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - unreadable bytes past the headers (safetensors' own error type)
         raise APIError(400, f"weight update rejected, nothing changed: cannot read the checkpoint ({e})",
                        param="path") from None
-    return _done(st, new, t0)
+    return {**_done(st, new, t0), "success": True, "message": f"loaded {where} as version {new}"}
 
 
 def _rejected(e: Exception) -> APIError:

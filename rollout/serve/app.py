@@ -14,14 +14,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from rollout.engine.async_engine import AsyncEngine
-from rollout.serve import admin, auth, connections, errors, generate, metrics, templates
+from rollout.serve import admin, auth, connections, errors, generate, metrics, sglang, sglang_admin, templates
 from rollout.serve.config import ServeConfig
 from rollout.serve.state import ServerState, state
+from rollout.serve.stats_log import log_stats
+from rollout.serve.trl_server import router as trl_router
 
 
 def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str | None = None) -> FastAPI:
     """The app; its lifespan starts the engine loop thread and stops it on shutdown."""
-    loop = AsyncEngine(engine)
+    loop = AsyncEngine(engine, stream_interval_s=config.server.stream_interval_s)
     st = ServerState(engine, loop, model_name, config.sampling, config.server.max_n or engine.config.max_num_seqs,
                      model_path, settings=config.server)
 
@@ -31,9 +33,13 @@ def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str
         loop.start()
         if config.server.allow_request_chat_template:
             await asyncio.to_thread(templates.warm)  # the fork server imports jinja once, now
+        logger = asyncio.ensure_future(log_stats(st, config.server.log_stats_s)) \
+            if config.server.log_stats_s else None
         try:
             yield
         finally:
+            if logger is not None:
+                logger.cancel()
             loop.close()
             st.receiver.close()
             st.text_pool.shutdown(wait=False, cancel_futures=True)
@@ -45,9 +51,12 @@ def build_app(engine: Any, config: ServeConfig, model_name: str, model_path: str
         app.add_middleware(auth.BearerAuth, key=key)  # added last: runs first, before the body is read
     errors.install(app)
     app.include_router(generate.router)
+    app.include_router(sglang.router)
+    app.include_router(trl_router)
     app.include_router(admin.status)
     if config.server.admin:
         app.include_router(admin.router)
+        app.include_router(sglang_admin.router)
 
     @app.get("/health")
     async def health() -> Any:

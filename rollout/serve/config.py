@@ -31,6 +31,7 @@ class ServerConfig:
     max_body_mib: int = 64  # larger request bodies get 413
     torch_threads: int | None = 1  # as rollout.torch_threads: 1 is fastest for tiny CPU models
     log_level: str = "warning"
+    log_stats_s: float = 5.0  # one stats line this often while busy (throughput, queue, KV, version); 0 = never
     # security (README "Security"): who may call, what the admin surface reaches
     api_key: str | None = None  # Bearer key for every route but GET /health; null = $ROLLOUT_API_KEY, else none
     admin: bool = True  # false: the weight, pause, sleep and reset routes do not exist (404)
@@ -45,6 +46,7 @@ class ServerConfig:
     text_workers: int = 2  # threads that tokenize, render chat templates and detokenize (never the event loop)
     max_chars_per_token: int = 32  # a string prompt over max_model_len x this many characters is refused untokenized
     stream_buffer_tokens: int = 65536  # a stream whose reader falls this many tokens behind is aborted
+    stream_interval_s: float = 0.05  # streams get their new tokens at most this often (0 = every engine step)
     max_connections: int = 1024  # open connections beyond this are closed at once (capped by the open-file limit)
     header_timeout_s: float = 10.0  # a request's head must arrive within this (slowloris guard)
     body_timeout_s: float = 60.0  # and its body within this after the head
@@ -65,6 +67,7 @@ class ServerConfig:
             _int("server.torch_threads", self.torch_threads, lo=1, allowed="an int >= 1 or null")
         if self.log_level not in LOG_LEVELS:
             _fail("server.log_level", self.log_level, f"one of {list(LOG_LEVELS)}")
+        check_num("server.log_stats_s", self.log_stats_s, lo=0.0, allowed="a number of seconds >= 0 (0 = never)")
         check_opt_str("server.api_key", self.api_key)
         check_bool("server.admin", self.admin)
         check_bool("server.allow_request_chat_template", self.allow_request_chat_template)
@@ -75,6 +78,7 @@ class ServerConfig:
         _int("server.max_queued_sequences", self.max_queued_sequences, lo=1)
         for key in ("text_workers", "max_chars_per_token", "stream_buffer_tokens", "max_connections", "max_header_kib"):
             _int(f"server.{key}", getattr(self, key), lo=1)
+        _num("server.stream_interval_s", self.stream_interval_s, lo=0, hi=60, allowed="seconds in [0, 60]")
         for key in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
             _num(f"server.{key}", getattr(self, key), lo=0, lo_open=True)
 

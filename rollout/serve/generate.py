@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import uuid
 from typing import Any
@@ -12,10 +13,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from rollout.serve import templates
 from rollout.serve.errors import APIError
-from rollout.serve.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
+from rollout.serve.params import to_sampling_params
+from rollout.serve.protocol import ChatCompletionRequest, CompletionRequest
 from rollout.serve.responses import Render, chat_body, completion_body
 from rollout.serve.state import ServerState, state
-from rollout.serve.streaming import StreamFeed, stream_events
+from rollout.serve.streaming import StreamChunks, StreamFeed, stream_events
 
 router = APIRouter()
 
@@ -24,28 +26,45 @@ router = APIRouter()
 async def completions(req: CompletionRequest, request: Request) -> Any:
     st = state(request)
     st.check_model(req.model)
-    params = to_sampling_params(req, st.defaults, st.max_n)
-    ids = await st.prompt_ids(req.prompts(), params)
+    echo_only = bool(req.echo) and req.max_tokens == 0  # score the prompt only: one token, dropped
+    params = to_sampling_params(req, st.defaults, st.max_n, max_tokens=1 if echo_only else None)
+    ids = await st.prompt_ids(req.prompts(), params, req.truncate_prompt_tokens)
     render = Render(st.engine.tokenizer, req.return_tokens_as_token_ids)
     if req.stream:
+        _stream_refuses(req, echo=req.echo)
         return _stream(st, req, ids, params, render, chat=False)
-    outs = await _generate(st, request, ids, params)
-    return await st.text(lambda: JSONResponse(completion_body(req, outs, st.model_name, render)))
+    outs = await _generate(st, request, ids, params, req.priority or 0)
+    return await st.text(lambda: JSONResponse(completion_body(req, outs, st.model_name, render, echo_only)))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     st = state(request)
     st.check_model(req.model)
-    params = to_sampling_params(req, st.defaults, st.max_n, max_tokens=req.max_completion_tokens)
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    floor = max(1, req.min_tokens or st.defaults.min_tokens)  # until the prompt's length is known
+    params = to_sampling_params(req, st.defaults, st.max_n, max_tokens=asked if asked is not None else floor)
     st.check_chars(sum(_chars(m.content) for m in req.messages) + len(json.dumps(req.tools or [])), "messages",
                    "messages")
-    ids = await st.prompt_ids([await _chat_prompt(st, req)], params)
+    ids = await st.prompt_ids([await _chat_prompt(st, req)], params, req.truncate_prompt_tokens)
+    if asked is None:  # vLLM's default for chat: the rest of the context (not the legacy 16)
+        room = min(st.engine.max_model_len, st.engine.kv.num_tokens) - len(ids[0])
+        params = dataclasses.replace(params, max_tokens=max(room, floor))
     render = Render(st.engine.tokenizer, req.return_tokens_as_token_ids)
     if req.stream:
+        _stream_refuses(req)
         return _stream(st, req, ids, params, render, chat=True)
-    outs = await _generate(st, request, ids, params)
+    outs = await _generate(st, request, ids, params, req.priority or 0)
     return await st.text(lambda: JSONResponse(chat_body(req, outs[0], st.model_name, render)))
+
+
+def _stream_refuses(req: Any, **fields: Any) -> None:
+    """What streams do not carry yet: 400 naming it rather than a stream that silently lacks it."""
+    fields["prompt_logprobs"] = req.prompt_logprobs
+    for key, value in fields.items():
+        if value not in (None, False, 0):
+            raise APIError(400, f"{key}={value!r} is not supported with stream=true yet; allowed: "
+                                f"{'0' if 'logprobs' in key else 'false'} (or a non-streamed request)", param=key)
 
 
 def _chars(content: Any) -> int:
@@ -89,9 +108,10 @@ async def _request_template(st: ServerState, req: ChatCompletionRequest) -> list
     return list(await asyncio.to_thread(lambda: tok(text, add_special_tokens=False)["input_ids"]))
 
 
-def _submit(st: ServerState, ids: list[list[int]], params: Any, stream: StreamFeed | None
+def _submit(st: ServerState, ids: list[list[int]], params: Any, stream: StreamFeed | None, priority: int = 0
             ) -> tuple[list[str], list[asyncio.Future]]:
-    """Queue every prompt; awaitable futures of their outputs, or (``stream``) their outputs fed to it."""
+    """Queue every prompt; awaitable futures of their outputs, or (``stream``) their outputs fed to it.
+    ``priority``: vLLM's, lower is served first."""
     st.check_room(len(ids) * params.n)  # no await between this check and the submits: it holds
     aloop = asyncio.get_running_loop()
     rids, futs = [], []
@@ -99,9 +119,10 @@ def _submit(st: ServerState, ids: list[list[int]], params: Any, stream: StreamFe
         for i, prompt in enumerate(ids):
             rid = uuid.uuid4().hex
             if stream is None:
-                futs.append(asyncio.wrap_future(st.loop.submit(prompt, params, rid), loop=aloop))
+                futs.append(asyncio.wrap_future(st.loop.submit(prompt, params, rid, priority=priority), loop=aloop))
             else:
-                st.loop.submit(prompt, params, rid, on_partial=stream.partial(i)).add_done_callback(stream.final(i))
+                st.loop.submit(prompt, params, rid, on_partial=stream.partial(i), priority=priority
+                               ).add_done_callback(stream.final(i))
             rids.append(rid)
     except (TypeError, ValueError) as e:
         _abort(st, rids)
@@ -117,8 +138,9 @@ def _abort(st: ServerState, rids: list[str]) -> None:
         st.loop.abort(rid)
 
 
-async def _generate(st: ServerState, request: Request, ids: list[list[int]], params: Any) -> list[Any]:
-    rids, futs = _submit(st, ids, params, None)
+async def _generate(st: ServerState, request: Request, ids: list[list[int]], params: Any, priority: int = 0
+                    ) -> list[Any]:
+    rids, futs = _submit(st, ids, params, None, priority)
     results = asyncio.ensure_future(asyncio.gather(*futs))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -146,8 +168,9 @@ async def _disconnected(request: Request) -> None:
 
 def _stream(st: ServerState, req: Any, ids: list[list[int]], params: Any, render: Render, chat: bool
             ) -> StreamingResponse:
-    feed = StreamFeed(asyncio.get_running_loop(), st.settings.stream_buffer_tokens)
-    rids, _ = _submit(st, ids, params, feed)
+    chunks = StreamChunks(req, len(ids), params.n, st.model_name, render, chat)
+    feed = StreamFeed(st.poster(), st.settings.stream_buffer_tokens, chunks)
+    rids, _ = _submit(st, ids, params, feed, req.priority or 0)
     feed.on_overflow = lambda: _abort(st, rids)
-    events = stream_events(req, feed, len(ids), params.n, st.model_name, render, chat, feed.on_overflow, st.text)
+    events = stream_events(req, feed, len(ids))
     return StreamingResponse(events, media_type="text/event-stream")

@@ -1,4 +1,9 @@
-"""``GET /metrics`` in the Prometheus text format (written by hand: no client library needed)."""
+"""``GET /metrics`` in the Prometheus text format (written by hand: no client library needed).
+
+Every counter is there twice: under its ``rollout_`` name and, for dashboards built for vLLM, under vLLM's
+``vllm:`` name with vLLM's ``model_name`` label (sequences stand in for vLLM's requests: a group of n
+samples is n sequences here).
+"""
 
 from __future__ import annotations
 
@@ -46,12 +51,32 @@ _METRICS: list[tuple[str, str, str, Any]] = [
 ]
 
 
+# vLLM's name -> ours (the same number)
+VLLM_NAMES = {
+    "vllm:num_requests_running": "rollout_running_seqs",
+    "vllm:num_requests_waiting": "rollout_waiting_seqs",
+    "vllm:kv_cache_usage_perc": "rollout_kv_cache_usage_ratio",
+    "vllm:gpu_cache_usage_perc": "rollout_kv_cache_usage_ratio",  # vLLM's name before 0.10
+    "vllm:prompt_tokens_total": "rollout_prompt_tokens_total",
+    "vllm:generation_tokens_total": "rollout_generation_tokens_total",
+    "vllm:num_preemptions_total": "rollout_preemptions_total",
+    "vllm:avg_generation_throughput_toks_per_s": "rollout_generation_tokens_per_second",
+}
+
+
 def render(stats: Any, st: Any) -> str:
     rate = st.loop.rate.rate(time.monotonic(), stats.num_generated_tokens)
-    lines = []
+    lines, values = [], {}
     for name, kind, help_text, get in _METRICS:
         value = get(stats, st, rate)
         if value is None:
             continue
+        values[name] = (kind, help_text, value)
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {float(value):.6g}"]
+    escaped = st.model_name.replace("\\", "\\\\").replace('"', '\\"')
+    label = f'{{model_name="{escaped}"}}'
+    for name, ours in VLLM_NAMES.items():
+        if ours in values:
+            kind, help_text, value = values[ours]
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{label} {float(value):.6g}"]
     return "\n".join(lines) + "\n"

@@ -1,9 +1,11 @@
 """Request bodies in OpenAI / vLLM shape, checked by pydantic (unknown fields and wrong types refused).
 
-Fields a client library sends by default are accepted; ones whose non-default value the engine cannot
-honour (penalties, ``echo``, top alternatives in ``logprobs``...) are refused with 400 naming the field,
-rather than silently ignored. ``to_sampling_params`` maps a request onto ``SamplingParams`` with the
-server's ``sampling`` group as the defaults for omitted fields.
+Every field vLLM's ``CompletionRequest`` / ``ChatCompletionRequest`` accepts is accepted here, so a client
+written for vLLM (SkyRL, prime-rl, AReaL, TRL...) sends its defaults unchanged. ``params.py`` maps them onto
+``SamplingParams``: the ones the engine honours are passed on; ones without effect on the tokens (request
+ids, cache salts, KV-transfer hints) are ignored, as vLLM ignores them where they do not apply; ones whose
+non-default value the engine cannot honour (structured outputs, beam search, logit bias...) are refused with
+a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -12,18 +14,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout.sampling_params import SamplingParams
-from rollout.serve.errors import APIError
-from rollout.settings.schema import SamplingConfig
-
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class _Sampling(_Strict):
@@ -43,47 +41,56 @@ class _Sampling(_Strict):
     ignore_eos: bool | None = None
     logprobs_mode: Literal["policy", "processed", "raw"] | None = None
     return_token_ids: bool | None = None
-    return_tokens_as_token_ids: bool = False
-    stream: bool = False
+    return_tokens_as_token_ids: bool | None = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Accepted at their defaults only (refused otherwise: the engine cannot honour them).
+    # honoured through the engine's SamplingParams (vLLM's names)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    prompt_logprobs: int | None = None
+    priority: int | None = None
+    # accepted, without effect here (vLLM ignores them too where they do not apply)
+    request_id: str | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None
+    length_penalty: float | None = None  # beam search only
+    # refused unless at their defaults (params.refuse_unsupported names them)
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
-    skip_special_tokens: bool | None = None
-
-    def refuse_unsupported(self) -> None:
-        defaults = {"frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
-                    "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}), "skip_special_tokens": (None, True)}
-        for key, allowed in defaults.items():
-            if getattr(self, key) not in allowed:
-                raise APIError(400, f"{key}={getattr(self, key)!r} is not supported by the rollout engine; "
-                                    f"allowed: {allowed[1]!r} (or leave it out)", param=key)
-        if self.best_of is not None and self.best_of != (self.n or 1):
-            raise APIError(400, f"best_of={self.best_of} is not supported; allowed: equal to n (or leave it out)",
-                           param="best_of")
+    use_beam_search: bool | None = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logits_processors: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: str | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None  # 0 = the sampled token's logprob (the only one the engine returns)
-    echo: bool = False
+    logprobs: int | None = None  # k alternatives per token besides the sampled one
+    echo: bool | None = False
     suffix: str | None = None
-    prompt_logprobs: int | None = None
-
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
-        if self.logprobs is not None and self.logprobs != 0:
-            raise APIError(400, f"logprobs={self.logprobs} asks for top alternatives, which the engine does not "
-                                "return; allowed: 0 (the sampled token's logprob) or null", param="logprobs")
-        for key, bad in (("echo", self.echo), ("suffix", self.suffix), ("prompt_logprobs", self.prompt_logprobs)):
-            if bad not in (None, False):
-                raise APIError(400, f"{key}={bad!r} is not supported; leave it out", param=key)
+    prompt_embeds: str | list[str] | None = None
 
     def prompts(self) -> list[str | list[int]]:
+        from rollout.serve.errors import APIError
+
         p = self.prompt
         if isinstance(p, str):
             return [p]
@@ -106,6 +113,8 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
+        from rollout.serve.errors import APIError
+
         d = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             bad = [p.type for p in self.content if p.type != "text"]
@@ -119,57 +128,26 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool | None = False  # vLLM: prepend the last message when it has the assistant's role
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
-
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
-        if self.top_logprobs not in (None, 0):
-            raise APIError(400, f"top_logprobs={self.top_logprobs} asks for top alternatives, which the engine "
-                                "does not return; allowed: 0 or null", param="top_logprobs")
-        if self.tool_choice not in (None, "none"):
-            raise APIError(400, f"tool_choice={self.tool_choice!r} is not supported (tool calls are not parsed); "
-                                "allowed: 'none' (the tools are still rendered into the prompt)", param="tool_choice")
-        if self.response_format not in (None, {"type": "text"}):
-            raise APIError(400, "response_format other than {'type': 'text'} is not supported",
-                           param="response_format")
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
-
-
-def to_sampling_params(req: _Sampling, defaults: SamplingConfig, max_n: int, max_tokens: int | None = None
-                       ) -> SamplingParams:
-    """The request's SamplingParams (server defaults for omitted fields); bad values -> 400 naming them."""
-    req.refuse_unsupported()
-    pick = lambda value, default: default if value is None else value
-    n = pick(req.n, 1)
-    if isinstance(n, int) and n > max_n:
-        raise APIError(400, f"n={n} is too large; allowed: 1 .. {max_n} (server.max_n)", param="n")
-    try:
-        return SamplingParams(
-            n=n,
-            temperature=float(pick(req.temperature, defaults.temperature)),
-            top_p=float(pick(req.top_p, defaults.top_p)),
-            top_k=pick(req.top_k, defaults.top_k),
-            min_p=float(pick(req.min_p, defaults.min_p)),
-            max_tokens=pick(max_tokens if max_tokens is not None else req.max_tokens, defaults.max_tokens),
-            min_tokens=pick(req.min_tokens, defaults.min_tokens),
-            stop=pick(req.stop, list(defaults.stop) or None),
-            stop_token_ids=req.stop_token_ids,
-            ignore_eos=pick(req.ignore_eos, defaults.ignore_eos),
-            seed=pick(req.seed, defaults.seed),
-            logprobs_mode=pick(req.logprobs_mode, defaults.logprobs_mode),
-        )
-    except (TypeError, ValueError) as e:
-        raise APIError(400, str(e)) from None
+    documents: list[dict[str, Any]] | None = None
+    reasoning_effort: str | None = None
+    include_reasoning: bool | None = None
+    # OpenAI fields a client library may send; no effect here
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    modalities: list[str] | None = None
+    function_call: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
 
 
 class InitWeightTransfer(_Strict):
@@ -182,6 +160,8 @@ class InitWeightTransfer(_Strict):
     backend: Literal["nccl", "gloo"] | None = None  # None = nccl for a CUDA engine, else gloo
     timeout_s: float = Field(600.0, gt=0)  # capped at server.max_weight_timeout_s
     packed: bool = True
+    packed_buffer_size_bytes: int = Field(1 << 30, ge=256)  # vLLM's packing (TRL's VLLMClient): both ends agree
+    packed_num_buffers: int = Field(2, ge=1)
 
 
 class UpdateWeights(_Strict):
@@ -199,6 +179,38 @@ class UpdateWeights(_Strict):
 
 
 class UpdateWeightsFromDisk(_Strict):
-    path: str = Field(min_length=1, max_length=4096)
+    """Ours (``path``, ``version``) or SGLang's (``model_path``, ``weight_version``...): the same update."""
+
+    path: str | None = Field(None, min_length=1, max_length=4096)
+    model_path: str | None = Field(None, min_length=1, max_length=4096)
     version: int | None = None
+    weight_version: str | int | None = None
     recompute_running: bool = True
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    token_step: int | None = None
+
+    def where(self) -> str:
+        from rollout.serve.errors import APIError
+
+        if (self.path is None) == (self.model_path is None):
+            raise APIError(400, "give exactly one of path and model_path", param="path")
+        if self.load_format not in (None, "auto", "safetensors"):
+            raise APIError(400, f"load_format={self.load_format!r} is not supported; allowed: 'auto' "
+                                "(safetensors)", param="load_format")
+        return self.path or self.model_path  # type: ignore[return-value]
+
+    def new_version(self) -> int | None:
+        from rollout.serve.errors import APIError
+
+        v = self.version if self.version is not None else self.weight_version
+        if v is None or isinstance(v, int):
+            return v
+        if isinstance(v, str) and v.isdigit():
+            return int(v)
+        raise APIError(400, f"weight_version={v!r} must be an integer: it becomes the policy version",
+                       param="weight_version")

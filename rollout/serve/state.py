@@ -19,6 +19,7 @@ from rollout.engine.async_engine import AsyncEngine
 from rollout.engine.validation import check_lengths, to_token_ids
 from rollout.serve.config import ServerConfig
 from rollout.serve.errors import APIError
+from rollout.serve.streaming import LoopPoster
 from rollout.settings.schema import SamplingConfig
 from rollout.weights.receiver import WeightReceiver
 
@@ -35,6 +36,7 @@ class ServerState:
     receiver: WeightReceiver = field(init=False)
     text_pool: ThreadPoolExecutor = field(init=False)
     counters: dict[str, float] = field(default_factory=lambda: {"weight_updates": 0, "last_update_s": 0.0})
+    _poster: LoopPoster | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         # pushes are applied in the engine loop thread, at a step boundary
@@ -55,24 +57,26 @@ class ServerState:
                                 f"{self.settings.max_chars_per_token})", param=param,
                            code="context_length_exceeded")
 
-    async def prompt_ids(self, prompts: list[Any], params: Any) -> list[list[int]]:
+    async def prompt_ids(self, prompts: list[Any], params: Any, truncate: int | None = None) -> list[list[int]]:
         """Token ids for every prompt, all checked before any is queued (400 naming the prompt); strings are
-        bounded by length first, then tokenized in the text workers."""
+        bounded by length first, then tokenized in the text workers. ``truncate`` (vLLM's
+        ``truncate_prompt_tokens``) keeps each prompt's last that many tokens."""
         if len(prompts) > self.settings.max_prompts_per_request:
             raise APIError(400, f"{len(prompts)} prompts in one request; allowed: at most "
                                 f"{self.settings.max_prompts_per_request} (server.max_prompts_per_request)",
                            param="prompt")
         for i, p in enumerate(prompts):
-            if isinstance(p, str):
+            if isinstance(p, str) and truncate is None:
                 self.check_chars(len(p), f"prompt {i}" if len(prompts) > 1 else "prompt")
-        return await self.text(self._encode, prompts, params)
+        return await self.text(self._encode, prompts, params, truncate)
 
-    def _encode(self, prompts: list[Any], params: Any) -> list[list[int]]:
+    def _encode(self, prompts: list[Any], params: Any, truncate: int | None = None) -> list[list[int]]:
         e = self.engine
         out = []
         for i, p in enumerate(prompts):
             try:
                 ids = to_token_ids(p, e.tokenizer, e.model.vocab_size)
+                ids = ids[-truncate:] if truncate else ids
                 check_lengths(len(ids), params, e.max_model_len, e.kv.num_tokens, e.model.vocab_size)
             except (TypeError, ValueError) as err:
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
@@ -90,6 +94,12 @@ class ServerState:
         if held + num_seqs > cap:
             raise APIError(429, f"the server holds {held} sequences and this request adds {num_seqs}, over its cap "
                                 f"of {cap} (server.max_queued_sequences); retry later", headers={"Retry-After": "1"})
+
+    def poster(self) -> LoopPoster:
+        """Posts streams' events onto the event loop (one wake-up per batch); made on the running loop."""
+        if self._poster is None:
+            self._poster = LoopPoster(asyncio.get_running_loop())
+        return self._poster
 
     async def text(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` in a text worker (tokenizer, template, detokenizer, body rendering) and await it."""

@@ -1,10 +1,12 @@
 """Server-sent events for ``stream: true``: one chunk per choice whenever new tokens landed.
 
-The engine thread hands each stream only the tokens a step landed (``StreamFeed``); a reader that falls
+The engine loop hands each stream only the tokens landed since its last batch (``server.stream_interval_s``
+apart at least), in its stream thread, which renders them into events (``StreamFeed``); one wake-up of the
+event loop per batch writes every stream's events. A reader that falls
 more than ``server.stream_buffer_tokens`` behind has its requests aborted and gets a final error event,
 so a slow or stalled client holds a bounded amount of memory. Each chunk carries the new tokens' text,
 ``token_ids``, ``logprobs`` and ``policy_versions``; a choice's last chunk carries its ``finish_reason``.
-Text is detokenized incrementally in the text workers (vLLM's prefix / read offsets: only a few tokens
+Text is detokenized incrementally (vLLM's prefix / read offsets: only a few tokens
 before the new ones are decoded again), holding back a trailing partial character and, when stop strings
 are set, the last few characters that could still turn into one, so the streamed text always equals the
 final text. A client that goes away aborts its requests.
@@ -14,66 +16,103 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout.serve import tools as tool_calls
 from rollout.serve.responses import Render, chat_logprobs, completion_logprobs, new_id, usage
 
 
-class StreamFeed:
-    """Outputs for one stream, posted by the engine thread: at most ``max_tokens`` unread tokens, else the
-    stream is cut off (``on_overflow`` aborts its requests) rather than buffered without limit."""
+class LoopPoster:
+    """Runs functions on an asyncio event loop from other threads with one wake-up per burst: the stream
+    thread posts every stream's events of a batch, the loop is woken once (not once per stream)."""
 
-    def __init__(self, aloop: asyncio.AbstractEventLoop, max_tokens: int) -> None:
-        self.aloop, self.max_tokens = aloop, max_tokens
-        self.items: deque[tuple[int, Any, bool]] = deque()  # (prompt index, delta / final output / error, final)
+    def __init__(self, aloop: asyncio.AbstractEventLoop) -> None:
+        self.aloop = aloop
+        self._lock = threading.Lock()
+        self._calls: list[Callable[[], None]] = []
+        self._scheduled = False
+
+    def post(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._calls.append(fn)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.aloop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
+
+    def _drain(self) -> None:
+        with self._lock:
+            calls, self._calls, self._scheduled = self._calls, [], False
+        for fn in calls:
+            fn()
+
+
+class StreamFeed:
+    """One stream's SSE events. The engine's stream thread renders each batch of new tokens into events
+    (``partial`` / ``final`` callbacks: detokenizing and JSON never run in the stepping thread nor on the
+    event loop) and posts them; at most ``max_tokens`` unread tokens are held, else the stream is cut off
+    (``on_overflow`` aborts its requests) rather than buffered without limit."""
+
+    def __init__(self, poster: LoopPoster, max_tokens: int, chunks: StreamChunks) -> None:
+        self.poster, self.max_tokens, self.chunks = poster, max_tokens, chunks
+        self.events: list[str] = []
+        self.finals = 0
+        self.failed: BaseException | None = None
         self.unread = 0
         self.overflowed = False
         self.on_overflow: Callable[[], None] = lambda: None
         self._ready = asyncio.Event()
 
     def partial(self, tag: int) -> Callable[[Any], None]:
-        return lambda out: self._post((tag, out, False))
+        def landed(out: Any) -> None:  # the stream thread
+            if self.overflowed or self.failed is not None:
+                return
+            events = self.chunks.render_items([(tag, out, False)])
+            tokens = sum(len(c.token_ids) for c in out.outputs)
+            self.poster.post(lambda: self._put(events, tokens, False, None))
+
+        return landed
 
     def final(self, tag: int) -> Callable[[Future], None]:
-        def done(fut: Future) -> None:
-            if not fut.cancelled():  # cancelled: the client went away
-                self._post((tag, fut.exception() or fut.result(), True))
+        def done(fut: Future) -> None:  # the stream thread (or the closing one)
+            if fut.cancelled():  # the client went away
+                return
+            exc = fut.exception()
+            events = [] if exc is not None or self.overflowed else self.chunks.render_items([(tag, fut.result(), True)])
+            self.poster.post(lambda: self._put(events, 0, True, exc))
 
         return done
 
-    def _post(self, item: tuple[int, Any, bool]) -> None:
-        try:
-            self.aloop.call_soon_threadsafe(self._put, item)
-        except RuntimeError:  # the event loop is closed: the server is shutting down
-            pass
-
-    def _put(self, item: tuple[int, Any, bool]) -> None:
+    def _put(self, events: list[str], tokens: int, final: bool, exc: BaseException | None) -> None:
         if self.overflowed:
             return
-        tag, out, final = item
-        if not final:
-            self.unread += sum(len(c.token_ids) for c in out.outputs)
-            if self.unread > self.max_tokens:
-                self.overflowed = True
-                self.items.clear()
-                self.on_overflow()
-                self._ready.set()
-                return
-        self.items.append(item)
+        self.unread += tokens
+        if self.unread > self.max_tokens:
+            self.overflowed = True
+            self.events.clear()
+            self.on_overflow()
+        elif exc is not None:
+            self.failed = exc
+        else:
+            self.events += events
+            self.finals += final
         self._ready.set()
 
-    async def take(self) -> list[tuple[int, Any, bool]]:
-        """Everything posted since the last call (waits for at least one item, or the overflow)."""
-        while not self.items and not self.overflowed:
+    async def take(self) -> str:
+        """The events posted since the last call, as one string (waits for one, a failure or the overflow)."""
+        while not self.events and not self.overflowed and self.failed is None:
             self._ready.clear()
             await self._ready.wait()
-        items, self.items, self.unread = list(self.items), deque(), 0
-        return items
+        events, self.events, self.unread = self.events, [], 0
+        return "".join(events)
 
 
 @dataclass(slots=True)
@@ -92,12 +131,14 @@ class _Choice:
 MAX_UNREAD = 8  # tokens held back waiting for a character to complete (UTF-8: at most 4 bytes) before giving up
 
 
-def _decode_new(tokenizer: Any, s: _Choice, ids: list[int]) -> str:
+def _decode_new(tokenizer: Any, s: _Choice, ids: list[int], **decode: Any) -> str:
     """The text ``ids`` add after what ``s`` decoded so far; "" while they end inside a character (for at
-    most ``MAX_UNREAD`` tokens, so the window, and each step's decode, stays a few tokens long)."""
+    most ``MAX_UNREAD`` tokens, so the window, and each step's decode, stays a few tokens long). ``decode``:
+    the request's ``skip_special_tokens`` / ``spaces_between_special_tokens`` (default: skip)."""
+    decode = decode or {"skip_special_tokens": True}
     s.window += ids
-    prefix = tokenizer.decode(s.window[: s.read], skip_special_tokens=True)
-    full = tokenizer.decode(s.window, skip_special_tokens=True)
+    prefix = tokenizer.decode(s.window[: s.read], **decode)
+    full = tokenizer.decode(s.window, **decode)
     waiting = len(full) <= len(prefix) or full.endswith("\ufffd")
     if waiting and len(s.window) - s.read < MAX_UNREAD:
         return ""
@@ -110,8 +151,8 @@ def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-class _Chunks:
-    """Turns a stream's outputs into SSE chunks; runs in a text worker (one call at a time per stream)."""
+class StreamChunks:
+    """Turns a stream's outputs into SSE chunks; runs in the engine's stream thread (one call at a time)."""
 
     def __init__(self, req: Any, num_prompts: int, n: int, model: str, render: Render, chat: bool) -> None:
         self.req, self.n, self.model, self.render, self.chat = req, n, model, render, chat
@@ -123,6 +164,11 @@ class _Chunks:
         self.finals: dict[int, Any] = {}
         self.with_ids = req.return_token_ids is not False
         self.want_lp = bool(req.logprobs) if chat else req.logprobs is not None
+        # With tools a call can only be parsed from the whole output: content waits for the last chunk, which
+        # carries it and the parsed ``tool_calls`` (ids, logprobs and versions still stream as they land).
+        self.tools = chat and bool(getattr(req, "tools", None)) and getattr(req, "tool_choice", None) != "none"
+        self.decode = {k: v for k in ("skip_special_tokens", "spaces_between_special_tokens")
+                       if (v := getattr(req, k, None)) is not None}
 
     def render_items(self, items: list[tuple[int, Any, bool]]) -> list[str]:
         out = []
@@ -141,25 +187,38 @@ class _Chunks:
             return None
         skip = s.tokens if final else 0  # a final output is whole; a partial one holds only the new tokens
         ids, lps, versions = c.token_ids[skip:], c.logprobs[skip:], c.policy_versions[skip:]
+        tops = getattr(c, "top_logprobs", None)
+        tops = tops[skip:] if tops is not None else None
         tok = self.render.tokenizer
+        calls: list[dict[str, Any]] = []
+        finish = c.finish_reason if final else None
         if final:
             text = (c.text or "")[s.text :]
+            if self.tools:
+                content, calls = tool_calls.parse(tok, list(c.token_ids), list(output.prompt_token_ids), text,
+                                                  self.req.tools)
+                text = text if not calls else content or ""
+                finish = "tool_calls" if calls and finish == "stop" else finish
+        elif self.tools:
+            text = ""
         else:
-            s.pending += _decode_new(tok, s, ids) if tok is not None and ids else ""
+            s.pending += _decode_new(tok, s, ids, **self.decode) if tok is not None and ids else ""
             text = s.pending[: max(0, len(s.pending) - self.hold)]
             s.pending = s.pending[len(text) :]
         if not ids and not text and not final and s.started:
             return None
         choice: dict[str, Any] = {"index": c.index if self.chat else tag * self.n + c.index,
-                                  "finish_reason": c.finish_reason if final else None,
-                                  "stop_reason": c.stop_reason if final else None,
+                                  "finish_reason": finish, "stop_reason": c.stop_reason if final else None,
                                   "policy_versions": list(versions)}
         if self.chat:
             choice["delta"] = {"content": text} if s.started else {"content": text, "role": "assistant"}
-            choice["logprobs"] = chat_logprobs(self.render, ids, lps) if self.want_lp else None
+            if calls:
+                choice["delta"]["tool_calls"] = [dict(call, index=i) for i, call in enumerate(calls)]
+            choice["logprobs"] = chat_logprobs(self.render, ids, lps, tops) if self.want_lp else None
         else:
             choice["text"] = text
-            choice["logprobs"] = completion_logprobs(self.render, ids, lps, s.text) if self.want_lp else None
+            choice["logprobs"] = (completion_logprobs(self.render, ids, lps, s.text, tops) if self.want_lp
+                                  else None)
         chunk = {"id": self.id, "object": self.obj, "created": self.created, "model": self.model,
                  "choices": [choice]}
         if self.with_ids:
@@ -181,28 +240,22 @@ def _error(message: str, code: str | int) -> str:
     return _sse({"error": {"message": message, "type": "server_error", "param": None, "code": code}})
 
 
-async def stream_events(req: Any, feed: StreamFeed, num_prompts: int, n: int, model: str, render: Render,
-                        chat: bool, abort: Callable[[], None],
-                        text: Callable[..., Awaitable[Any]]) -> AsyncIterator[str]:
-    """Chunks until every choice finished, then usage (if asked) and ``[DONE]``; ``text`` runs a function
-    in a text worker."""
-    chunks = _Chunks(req, num_prompts, n, model, render, chat)
+async def stream_events(req: Any, feed: StreamFeed, num_prompts: int) -> AsyncIterator[str]:
+    """Chunks until every choice finished, then usage (if asked) and ``[DONE]``."""
     try:
-        while len(chunks.finals) < num_prompts:
-            items = await feed.take()
+        while feed.finals < num_prompts:
+            events = await feed.take()
             if feed.overflowed:
                 yield _error(f"stream aborted: the client read too slowly (more than {feed.max_tokens} tokens "
                              "unread; server.stream_buffer_tokens)", "slow_reader")
                 return
-            failed = next((out for _, out, _ in items if isinstance(out, BaseException)), None)
-            if failed is not None:
-                yield _error(f"generation failed: {failed}", 500)
+            if feed.failed is not None:
+                yield events + _error(f"generation failed: {feed.failed}", 500)
                 return
-            for event in await text(chunks.render_items, items):
-                yield event
+            yield events
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield chunks.usage_chunk()
+            yield feed.chunks.usage_chunk()
         yield "data: [DONE]\n\n"
     finally:
-        if len(chunks.finals) < num_prompts:
-            abort()
+        if feed.finals < num_prompts:
+            feed.on_overflow()

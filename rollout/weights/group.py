@@ -16,6 +16,19 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+PROTOCOL_KEY = "rollout-weights/protocol"  # set by the trainer before anyone joins: says the handshake is ours
+VLLM_KEY = "broadcast_from/0/0"  # vLLM's StatelessProcessGroup: rank 0's NCCL unique id (TRL, vLLM's trainer_init)
+CONNECT_S = 15.0  # reaching the trainer's store
+HANDSHAKE_S = 10.0  # and learning whose handshake it is: a foreign or silent store fails within this
+
+
+class ForeignHandshake(ValueError):
+    """The store at the address speaks another group protocol (``kind``); ``store`` is connected to it."""
+
+    def __init__(self, kind: str, store: dist.TCPStore) -> None:
+        super().__init__(f"the trainer's store speaks {kind}'s handshake")
+        self.kind, self.store = kind, store
+
 
 class TransferError(RuntimeError):
     """The transport failed (peer gone, timeout): the group is unusable and must be created anew."""
@@ -66,6 +79,7 @@ class TransferGroup:
         """Rank 0: host the store (port 0 = a free one), call ``on_listening(port)``, wait for every rank."""
         store = dist.TCPStore(master_address, master_port, world_size, is_master=True,
                               timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        store.set(PROTOCOL_KEY, "rollout-1")
         if on_listening is not None:
             on_listening(store.port)
         return cls(store, 0, world_size, device, timeout_s, master_address)
@@ -73,11 +87,18 @@ class TransferGroup:
     @classmethod
     def join(cls, master_address: str, master_port: int, rank: int, world_size: int, device: torch.device | str,
              timeout_s: float = 600.0) -> TransferGroup:
-        """Rank >= 1: connect to the trainer's store and group."""
+        """Rank >= 1: connect to the trainer's store and group.
+
+        Within ``HANDSHAKE_S`` the store must say it is ours; vLLM's (TRL's ``VLLMClient``) raises
+        ForeignHandshake with the store, anything else ValueError: never a wait of ``timeout_s``."""
         if not 1 <= rank < world_size:
             raise ValueError(f"a receiver's rank must be in [1, world_size={world_size}), got {rank}")
         store = dist.TCPStore(master_address, master_port, world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=min(timeout_s, 60.0)))
+                              timeout=datetime.timedelta(seconds=min(timeout_s, CONNECT_S)))
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        kind = handshake_kind(store, min(timeout_s, HANDSHAKE_S))
+        if kind != "rollout":
+            raise ForeignHandshake(kind, store)
         return cls(store, rank, world_size, device, timeout_s, master_address)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> dist.Work:
@@ -99,6 +120,20 @@ class TransferGroup:
                     pass
         self.pg = None  # type: ignore[assignment]
         self.store = None  # type: ignore[assignment]
+
+
+def handshake_kind(store: dist.Store, within_s: float) -> str:
+    """``rollout`` or ``vllm``: whose keys appear on the trainer's store within ``within_s``; ValueError if none."""
+    deadline = time.monotonic() + within_s
+    while True:
+        if store.check([PROTOCOL_KEY]):
+            return "rollout"
+        if store.check([VLLM_KEY]):
+            return "vllm"
+        if time.monotonic() > deadline:
+            raise ValueError(f"the store at the trainer's address gave no rollout or vLLM handshake within "
+                             f"{within_s:g} s: not a weight-transfer trainer")
+        time.sleep(0.02)
 
 
 def cuda_device(device: torch.device | str) -> torch.device:

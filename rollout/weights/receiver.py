@@ -9,7 +9,10 @@ applied on views of the trainer's buckets. The staging buffer (a model's worth o
 while the engine sleeps: by ``release_staging``, and again after a push that arrives while asleep.
 
 One push at a time; after a TransferError the group is closed and must be joined anew (``join``),
-while the engine keeps its old weights.
+while the engine keeps its old weights. SGLang's protocol (slime, AReaL) joins a ``NamedGroup`` instead
+(``join_named``) and sends one broadcast per tensor without a verdict (``receive_each``): the bytes land
+in the same staging buffer, and metadata the engine refuses is received, then dropped, so the trainer's
+broadcasts never hang and nothing changes.
 """
 
 from __future__ import annotations
@@ -22,9 +25,18 @@ from typing import Any
 import torch
 
 from rollout.weights.broadcast import receive_weights
-from rollout.weights.group import PushRejected, TransferError, TransferGroup, cuda_device, post_verdict
+from rollout.weights.group import (
+    ForeignHandshake,
+    PushRejected,
+    TransferError,
+    TransferGroup,
+    cuda_device,
+    post_verdict,
+)
 from rollout.weights.handles import BucketHandle, open_weights
-from rollout.weights.layout import BUCKET_BYTES, TensorSpec, chunk_bounds
+from rollout.weights.layout import BUCKET_BYTES, TensorSpec, chunk_bounds, layout, tensor_views
+from rollout.weights.torch_group import NamedGroup
+from rollout.weights.vllm_nccl import PACKED_BUFFER_BYTES, VllmNcclGroup
 
 Run = Callable[[Callable[[], int]], int]
 
@@ -34,14 +46,19 @@ class WeightReceiver:
         self.engine = engine
         self.run: Run = run or (lambda fn: fn())
         self.device = cuda_device(engine.device)  # built in the engine's thread: index resolved
-        self.group: TransferGroup | None = None
+        self.group: TransferGroup | VllmNcclGroup | None = None
+        self.named: NamedGroup | None = None
         self._staging: torch.Tensor | None = None
         self._pushes = 0
         self._busy = threading.Lock()
 
     def join(self, master_address: str, master_port: int, world_size: int, rank: int = 1,
-             backend: str | None = None, timeout_s: float = 600.0) -> TransferGroup:
-        """Join the trainer's group as ``rank`` (blocks until every rank joined); replaces any old group."""
+             backend: str | None = None, timeout_s: float = 600.0, packed: bool = True,
+             buffer_bytes: int = PACKED_BUFFER_BYTES) -> TransferGroup | VllmNcclGroup:
+        """Join the trainer's group as ``rank`` (blocks until every rank joined); replaces any old group.
+
+        A trainer speaking vLLM's handshake (TRL's ``VLLMClient``) gets a ``VllmNcclGroup`` (CUDA only;
+        ValueError at once elsewhere); ``packed`` and ``buffer_bytes`` are its init_info's."""
         backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
@@ -51,8 +68,45 @@ class WeightReceiver:
             self.close()
             self._pushes = 0
             device = self.device if backend == "nccl" else torch.device("cpu")
-            self.group = TransferGroup.join(master_address, master_port, rank, world_size, device, timeout_s)
+            try:
+                self.group = TransferGroup.join(master_address, master_port, rank, world_size, device, timeout_s)
+            except ForeignHandshake as e:
+                self.group = VllmNcclGroup(e.store, rank, world_size, self.device, timeout_s, packed, buffer_bytes)
             return self.group
+
+    def join_named(self, master_address: str, master_port: int, world_size: int, rank: int, group_name: str,
+                   backend: str | None = None, timeout_s: float = 600.0) -> NamedGroup:
+        """Join an SGLang-style weight-update group as ``rank`` (blocks until every rank joined)."""
+        backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        with self._exclusive():
+            self.close()
+            self.named = NamedGroup(master_address, master_port, rank, world_size, group_name, backend, self.device,
+                                    timeout_s)
+            return self.named
+
+    def receive_each(self, specs: list[TensorSpec], version: int | None = None, recompute_running: bool = True
+                     ) -> int:
+        """SGLang's push: one broadcast per tensor into the staging buffer, then ``Engine.update_weights``."""
+        with self._exclusive():
+            group = self.named
+            if group is None:
+                raise TransferError("no weight-update group: initialise one first (POST /init_weights_update_group)")
+            error = self._check(specs, BUCKET_BYTES, version)
+            offsets, total = layout(specs)
+            if self._staging is None or self._staging.numel() < total or self._staging.device != group.device:
+                self._staging = torch.empty(max(total, 1), dtype=torch.uint8, device=group.device)
+            views = tensor_views(specs, offsets, self._staging)
+            try:
+                for _, view in views:
+                    group.receive(view)
+                if group.device.type == "cuda":
+                    torch.cuda.current_stream(group.device).synchronize()
+            except Exception as e:  # noqa: BLE001 - whatever the backend raises, the group is now unusable
+                self.close()
+                raise TransferError(f"weight transfer failed: {e}") from e
+            if error is not None:
+                raise PushRejected(error)
+        return self._apply(views, version, recompute_running)
 
     def receive(self, specs: list[TensorSpec], bucket_bytes: int = BUCKET_BYTES, push_id: int | None = None,
                 version: int | None = None, recompute_running: bool = True) -> int:
@@ -67,6 +121,8 @@ class WeightReceiver:
             group = self.group
             if group is None:
                 raise TransferError("no weight-transfer group: initialise one first (POST /init_weight_transfer)")
+            if isinstance(group, VllmNcclGroup):
+                return self._receive_vllm(group, specs, version)
             push_id = self._pushes if push_id is None else push_id
             self._pushes = push_id + 1
             error = self._check(specs, bucket_bytes, version)
@@ -79,6 +135,21 @@ class WeightReceiver:
                 self.close()
                 raise
             return views
+
+    def _receive_vllm(self, group: VllmNcclGroup, specs: list[TensorSpec], version: int | None
+                      ) -> list[tuple[str, torch.Tensor]]:
+        """vLLM's protocol has no verdict: the bytes are always received (the trainer's broadcasts must
+        complete), then a refused push is dropped whole."""
+        error = self._check(specs, BUCKET_BYTES, version)
+        try:
+            views = group.receive(specs)
+        except Exception as e:  # noqa: BLE001 - whatever NCCL raises, the group is now unusable
+            self.close()
+            raise TransferError(f"weight transfer failed: {e}") from e
+        if error is not None:
+            views.clear()
+            raise PushRejected(error)
+        return views
 
     def receive_handles(self, specs: list[TensorSpec], handles: list[BucketHandle], version: int | None = None,
                         recompute_running: bool = True) -> int:
@@ -146,6 +217,9 @@ class WeightReceiver:
         if self.group is not None:
             self.group.close()
             self.group = None
+        if self.named is not None:
+            self.named.close()
+            self.named = None
         self._staging = None
 
 

@@ -87,7 +87,8 @@ def dummy_step(model: torch.nn.Module, kv_caches: list[torch.Tensor], backend: o
     st = _sampling(len(q_lens), device)
     if before_forward is not None:
         before_forward()
-    return forward_and_sample(model, kv_caches, backend, ids, meta, last, st)  # the runners' own step
+    out = forward_and_sample(model, kv_caches, backend, ids, meta, last, st)  # the runners' own step
+    return out.tokens, out.logprobs
 
 
 def _step_peak(model: torch.nn.Module, kv_caches: list[torch.Tensor], backend: object, q_lens: list[int],
