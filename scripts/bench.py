@@ -55,6 +55,8 @@ WORKLOADS = {
     # 512 + 32000 + 16 stays within qwen2.5-1.5b's 32768 positions
     "W2-32K": dict(preset="qwen2.5-1.5b", prompts=64, prompt_len=512, new=32000, n=8),
 }
+# W4 (multi-turn, issue 22) lives in bench/multiturn.py: 256 conversations x 4 turns x 256 tokens, qwen3-0.6b
+MULTITURN = ("W4",)
 
 
 def build_hf(preset: str) -> torch.nn.Module:
@@ -357,6 +359,18 @@ def run_weight_push(hf: torch.nn.Module, preset: str, repeats: int = 3) -> dict:
     return rec
 
 
+def run_multiturn(out: str | None) -> list[dict]:
+    """W4: bench/multiturn.py's engine environment loop vs the turn-synchronous loop (it prints the lines)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "bench", "multiturn.py")
+    spec = importlib.util.spec_from_file_location("bench_multiturn", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.run(False, ["env_loop", "turn_sync", "turn_sync_nocache"], out)
+
+
 def _commit() -> str:
     """$COMMIT first: the GPU machine's copy of the tree may carry a stale .git."""
     if os.environ.get("COMMIT"):
@@ -379,7 +393,7 @@ def emit(record: dict, out: str | None) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workload", default="W1-short", help=f"comma list of {sorted(WORKLOADS)}")
+    p.add_argument("--workload", default="W1-short", help=f"comma list of {sorted(WORKLOADS) + list(MULTITURN)}")
     p.add_argument("--modes", default="async,sync")
     p.add_argument("--compare-hf", action="store_true")
     p.add_argument("--hf-modes", default="sync_graph", help="HF modes to run (its best measured: sync_graph)")
@@ -407,6 +421,9 @@ def main() -> None:
     print(f"copy bandwidth {bw:.2f} TB/s, bf16 GEMM peak {peak:.0f} TFLOP/s", flush=True)
     models: dict[str, torch.nn.Module] = {}
     for name in args.workload.split(","):
+        if name in MULTITURN:
+            run_multiturn(args.out)
+            continue
         w = dict(WORKLOADS[name])
         if args.new:
             w["new"] = args.new

@@ -75,6 +75,17 @@ class EngineGRPOTrainer(GRPOTrainer):
         self.vllm_generation = _EngineGeneration(self, rollout_func)
         self._last_loaded_step = -1
 
+    def _tool_call_loop(self, prompts: Any, prompt_ids: Any, completion_ids: Any, completions: Any, logprobs: Any,
+                        images: Any, multimodal_fields: Any) -> tuple:
+        """The engine already ran the tools (``trainer_hooks.trl_tools``): hand TRL its env_mask and counts."""
+        done = self.rollout_func.last_tool_loop
+        if done is None:  # not this call's rows (cannot happen through TRLRollout): TRL's own loop
+            return super()._tool_call_loop(prompts, prompt_ids, completion_ids, completions, logprobs, images,
+                                           multimodal_fields)
+        self.rollout_func.last_tool_loop = None
+        return (done.env_mask, done.completions, completion_ids, logprobs, done.tool_calls, done.tool_failures,
+                [[] for _ in completion_ids])
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         metrics = self._metrics["train" if self.model.training else "eval"]
         for key in IS_METRICS:

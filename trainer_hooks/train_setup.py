@@ -50,7 +50,8 @@ def check_common(train: Any) -> None:
           "0 (engine keeps its memory), 1 (frees its KV cache while training) or 2 (also its weights)")
     threads = train.torch_threads
     check("torch_threads", threads is None or (is_int(threads) and threads >= 1), threads, "an int >= 1 or null")
-    check_reward_spec(train.reward, "train.reward")
+    if not (train.reward == "env" and getattr(train, "env", None)):  # "env": the environment's get_reward alone
+        check_reward_spec(train.reward, "train.reward")
 
 
 def load_job(raw: Mapping[str, Any], train_cls: type) -> tuple[RunConfig, Any]:

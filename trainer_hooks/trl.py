@@ -69,7 +69,8 @@ class TRLRollout:
     def __init__(self, engine: Any, sync_weights: bool = True, sleep_level: int = 0,
                  run_config: dict[str, Any] | None = None, mode: str = "drain",
                  max_inflight_groups: int | None = None, max_staleness: int | None = None,
-                 stale_groups: str = "drop", recompute_running: bool = True, prompt_dataset: Any = None) -> None:
+                 stale_groups: str = "drop", recompute_running: bool = True, prompt_dataset: Any = None,
+                 tool_timeout_s: float = 60.0, max_turn_tokens: int | None = None) -> None:
         if sleep_level not in (0, 1, 2):
             raise ValueError(f"sleep_level={sleep_level!r} is invalid: must be 0 (never sleep), 1 (free the KV "
                              "cache between generations) or 2 (also move the engine's weights to the CPU)")
@@ -93,6 +94,10 @@ class TRLRollout:
                 if value is not None:
                     raise ValueError(f"{key}={value!r} is partial mode's: leave it unset with mode='drain'")
         self.run_config = dict(run_config or {})
+        self.tool_timeout_s = tool_timeout_s  # TRL's tools / environment_factory: one tool call's limit
+        self.max_turn_tokens = max_turn_tokens  # and one turn's tokens (None: max_completion_length)
+        self.tool_rollouts: Any = None  # trainer_hooks.trl_tools.ToolRollouts, made on the first call with tools
+        self.last_tool_loop: Any = None  # the latest call's ToolLoopResult, for EngineGRPOTrainer._tool_call_loop
         self.synced_step: int | None = None
         self.last_outputs: list[Any] = []
         self.last_metrics: dict[str, float] = {}
@@ -107,6 +112,8 @@ class TRLRollout:
             self.maybe_sync(trainer)
         if self.partial is not None and getattr(getattr(trainer, "model", None), "training", True):
             return self._call_partial(prompts, trainer)
+        if getattr(trainer, "tools", None):
+            return self._call_tools(prompts, trainer)
         prompt_ids = tokenize_prompts(prompts, trainer)
         runs = list(_runs(prompt_ids))
         base = sampling_params_from_args(trainer.args, getattr(trainer, "eos_token_ids", None))
@@ -120,6 +127,30 @@ class TRLRollout:
         self.last_outputs = outs
         rows, versions = self._rows(outs)
         assert len(rows["prompt_ids"]) == len(prompts), (len(rows["prompt_ids"]), len(prompts))
+        metrics.update(policy_lag(int(trainer.state.global_step), versions))
+        self._report(trainer, metrics)
+        return rows
+
+    def _call_tools(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        """TRL's tools / environments, every turn on the engine (``trainer_hooks.trl_tools``)."""
+        from trainer_hooks.trl_tools import ToolRollouts
+
+        if self.tool_rollouts is None:
+            self.tool_rollouts = ToolRollouts(self.engine, trainer, self.tool_timeout_s, self.max_turn_tokens)
+        prompt_ids = tokenize_prompts(prompts, trainer)
+        base = sampling_params_from_args(trainer.args, getattr(trainer, "eos_token_ids", None))
+        self._wake()
+        window = EngineWindow(self.engine)
+        episodes, self.last_tool_loop = self.tool_rollouts.run(prompt_ids, trainer, base)
+        metrics = window.close()
+        self._sleep()
+        self.seconds["generation"] += metrics["rollout/generation_s"]
+        self.last_outputs = episodes
+        versions = [ep.policy_versions or [self.engine.policy_version] for ep in episodes]
+        rows = {"prompt_ids": [ep.prompt_ids for ep in episodes],
+                "completion_ids": [ep.completion_ids for ep in episodes],
+                "logprobs": [ep.logprobs for ep in episodes],
+                "policy_version": [int(min(v)) for v in versions]}
         metrics.update(policy_lag(int(trainer.state.global_step), versions))
         self._report(trainer, metrics)
         return rows
@@ -160,9 +191,11 @@ class TRLRollout:
         return funcs if self.partial is None else [self.partial.wrap_reward(f) for f in funcs]
 
     def close(self) -> None:
-        """Partial mode: abort the groups still in flight (never handed out). Nothing to do in drain mode."""
+        """Partial mode: abort the groups still in flight (never handed out); stop the tool loop's threads."""
         if self.partial is not None:
             self.partial.close()
+        if self.tool_rollouts is not None:
+            self.tool_rollouts.close()
 
     def _rows(self, outs: list[Any], group_ids: list[int] | None = None) -> tuple[dict[str, list[Any]], list[Any]]:
         """One row per sample, by sample index; ``group_ids`` (partial) adds per-token versions and the group."""

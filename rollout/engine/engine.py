@@ -379,7 +379,7 @@ class Engine:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         with self._lock:
-            if self.scheduler.has_unfinished() or self._inflight is not None:
+            if self.scheduler.has_unfinished() or self._inflight is not None or self.scheduler.parked:
                 raise RuntimeError("sleep() while requests are running; finish or abort them first")
             if not self.kv.allocated:
                 return 0
@@ -444,5 +444,5 @@ class Engine:
                                c.kv_usage, s.num_first_tokens, s.num_started_prompt_tokens, s.num_prefix_cached_tokens,
                                s.num_swap_outs,
                                s.num_swapped_out_blocks, s.num_swapped_out_blocks * self.kv.block_bytes,
-                               s.num_swap_ins)
+                               s.num_swap_ins, num_prefill_tokens=s.num_prefill_tokens)
 

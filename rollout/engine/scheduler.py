@@ -65,6 +65,8 @@ class Scheduler:
         self._swap_out: list[tuple[int, int]] = []  # this step's (gpu, host) copies
         self._swapped_now: list[Sequence] = []
         self._step_id = 0
+        self.parked: dict[str, Request] = {}  # multi-turn requests between turns, KV kept (engine/turns.py)
+        self.num_prefill_tokens = 0  # tokens computed that were not the newest sample (prompt, env, recompute)
 
     # ---- admission and removal -------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -87,6 +89,11 @@ class Scheduler:
         seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop_reason
         if not self._remove(self.running, seq):
             self._remove(self.waiting, seq)
+        if seq.keep_kv and reason != "abort":  # a turn ended: the conversation goes on from this KV
+            seq.park_step = self._step_id
+            self.parked[seq.request_id] = self.requests[seq.request_id]
+            del self.seqs[seq.seq_id]
+            return
         self.block_manager.free(seq)
         del self.seqs[seq.seq_id]
 
@@ -235,6 +242,7 @@ class Scheduler:
             if seq.score_only and sample:
                 sample = False
                 score_done.append(seq.seq_id)
+            self.num_prefill_tokens += n - (start == seq.decode_pos)
             num_prompt += max(0, min(start + n, seq.num_prompt_tokens) - start)
             p = seq.params
             # The table is shared, not copied: runners read it before the next schedule() changes it.
@@ -244,6 +252,7 @@ class Scheduler:
                                p.logprobs_mode, seq.stop_ids if seq.num_output_tokens < p.min_tokens else ())
                 if p.logprobs is not None or p.has_penalties:
                     add_sample_extras(plan, seq)
+                seq.decode_pos = len(seq.token_ids)
                 seq.token_ids.append(PLACEHOLDER)
                 seq.num_inflight += 1
             else:
@@ -311,6 +320,7 @@ class Scheduler:
                 del seq.token_ids[len(seq.token_ids) - seq.num_inflight :]
                 seq.num_inflight = 0
         self._drop_swapped()
+        self.evict_parked()
         moved = list(self.running)
         for seq in reversed(moved):
             self._remove(self.running, seq)
@@ -325,6 +335,7 @@ class Scheduler:
         its KV freed, to be recomputed under the new weights (siblings fork the prompt again). Not
         counted as a preemption. Swapped sequences drop their host copy too. Returns how many went back."""
         self._drop_swapped()
+        self.evict_parked()
         moved = list(self.running)
         for seq in reversed(moved):
             assert seq.num_inflight == 0, "recompute with a sample in flight (collect it first)"
@@ -350,6 +361,11 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._insert(self.waiting, seq)
+
+    def evict_parked(self) -> None:
+        """Parked conversations drop their KV (failed step, new weights); a resume recomputes it."""
+        for request in self.parked.values():
+            self.block_manager.free(request.seqs[0], register=False)
 
     def _drop_swapped(self) -> None:
         """Swapped sequences go back to plain recompute (their host KV is lost or stale)."""

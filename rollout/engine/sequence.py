@@ -52,6 +52,10 @@ class Sequence:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when params.logprobs
     prompt_lp_start: int = -1  # first prompt token whose logprob is wanted (-1: none); caps prefix-cache hits
     score_only: bool = False  # Engine.score: finish once the prompt is computed, sample nothing
+    # Multi-turn (engine/turns.py): a turn's end parks the sequence with its KV instead of freeing it.
+    keep_kv: bool = False
+    park_step: int = -1  # the newest step planned when it parked: samples of steps <= it are stale
+    decode_pos: int = -1  # index of the newest sampled token: computing it is decode, not prefill
 
     @property
     def num_tokens(self) -> int:

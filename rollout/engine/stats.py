@@ -33,6 +33,7 @@ class EngineStats:
     num_swapped_out_blocks: int = 0  # KV blocks copied to the host pool
     swapped_out_bytes: int = 0  # their bytes
     num_swap_ins: int = 0  # swapped sequences resumed without recompute
+    num_prefill_tokens: int = 0  # tokens computed that were not the newest sample: prompt, environment, recompute
     pool: dict | None = None  # a RolloutPool's per-replica numbers (RolloutPool.stats()); None for one engine
 
 

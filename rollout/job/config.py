@@ -44,6 +44,13 @@ class RolloutConfig:
     # A directory the trainer writes step_<N>/ snapshots into (HF safetensors + a COMPLETE marker); before
     # each round the newest unseen complete one is loaded and the round's tokens carry policy_version N.
     weights_from: str | None = None
+    # Multi-turn: an environment per conversation (TRL's environment_factory protocol, rollout/envs/):
+    # 'package.module:factory'; None = single-turn completions. Each turn continues from the resident KV.
+    env: str | None = None
+    max_turns: int = 4  # model turns per conversation
+    max_turn_tokens: int | None = None  # tokens generated per turn; None = sampling.max_tokens
+    tool_timeout_s: float = 60.0  # one environment call (tool, reset, step, get_reward); past it: an error
+    max_tool_result_chars: int = 16384  # a longer tool result / reply is cut, with a marker
 
     def __post_init__(self) -> None:
         check_int("rollout.rounds", self.rounds, lo=1)
@@ -55,6 +62,18 @@ class RolloutConfig:
         check_choice("rollout.mode", self.mode, ("drain", "partial"))
         check_partial_keys(self, self.mode == "partial")
         check_opt_str("rollout.weights_from", self.weights_from)
+        check_env_keys(self)
+
+
+def check_env_keys(cfg: RolloutConfig) -> None:
+    check_opt_str("rollout.env", cfg.env)
+    check_int("rollout.max_turns", cfg.max_turns, lo=1)
+    if cfg.max_turn_tokens is not None:
+        check_int("rollout.max_turn_tokens", cfg.max_turn_tokens, lo=1, allowed="an int >= 1 or null")
+    t = cfg.tool_timeout_s
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+        fail("rollout.tool_timeout_s", t, "a number of seconds > 0")
+    check_int("rollout.max_tool_result_chars", cfg.max_tool_result_chars, lo=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +86,9 @@ class JobConfig(RunConfig):
             fail("rollout.mode", "partial", f"drain with pool.replicas={self.pool.replicas}: a pool runs each round "
                  "to its end, while partial rollouts carry running groups across rounds in the in-process engine "
                  "(pool.replicas=1)")
+        if self.rollout.env is not None and self.pool.replicas > 1:
+            fail("rollout.env", self.rollout.env, f"null with pool.replicas={self.pool.replicas}: conversations keep "
+                 "their KV in the in-process engine (pool.replicas=1)")
 
     def resume_mismatches(self, saved: Mapping[str, Any]) -> list[str]:
         """Keys whose value differs from a saved run's config, ignoring those a resume may change."""

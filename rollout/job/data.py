@@ -146,7 +146,7 @@ def column_name(name: str) -> str:
     """A dataset column's name in the trajectories: its own, prefixed where a trajectory column has it."""
     from rollout.job.trajectory_writer import trajectory_schema
 
-    taken = set(trajectory_schema(True).names)
+    taken = set(trajectory_schema(True, True).names)
     while name in taken:
         name = DATA_PREFIX + name
     return name

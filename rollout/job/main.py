@@ -42,7 +42,8 @@ def run_job(job: JobConfig) -> Path:
     from rollout.job.trajectory_writer import TrajectoryWriter
 
     job.sampling.to_params()  # a sampling combination the engine refuses stops the job here
-    writer = TrajectoryWriter(job.output_dir, with_reward=job.rollout.reward is not None)
+    env = job.rollout.env is not None
+    writer = TrajectoryWriter(job.output_dir, with_reward=job.rollout.reward is not None or env, with_env=env)
     with OutputDirLock(writer.dir):
         return _run_locked(job, writer)
 
@@ -57,7 +58,12 @@ def _run_locked(job: JobConfig, writer: Any) -> Path:
     from rollout.rl.wandb_logger import WandbLogger
     from rollout.settings import model as settings_model
 
-    reward_fn = get_reward_fn(job.rollout.reward)
+    spec = None
+    if job.rollout.env is not None:  # loaded first: a bad environment stops the job before the model loads
+        from rollout.envs import EnvSpec, load_factory
+
+        spec = EnvSpec(load_factory(job.rollout.env))
+    reward_fn = None if spec is not None and spec.has_reward else get_reward_fn(job.rollout.reward)
     start = setup.start_point(job, writer)
     if start.round >= job.rollout.rounds:
         log.info("nothing to do: %d of %d rounds already in %s", start.round, job.rollout.rounds, writer.dir)
@@ -75,26 +81,37 @@ def _run_locked(job: JobConfig, writer: Any) -> Path:
     new_wandb_dir = not (writer.dir / "wandb").exists()
     logger = WandbLogger(job.logger.wandb, writer.dir, job.to_dict())  # may refuse (online, no account)
     run_dir = logger.run_dir
-    driver = RoundDriver(
-        engine,
-        dataset,
-        params,
-        job.data.num_prompts,
-        reward_fn,
-        start_round=start.round,
-        log_every_steps=job.logger.log_every_steps,
-        on_step=logger.log_step,
-        progress=job.logger.progress,
-        seed=start.job_seed,
-        mode=job.rollout.mode,
-        max_staleness=job.rollout.max_staleness,
-        stale_groups=job.rollout.stale_groups,
-        recompute_running=job.rollout.recompute_running,
-        max_inflight_groups=job.rollout.max_inflight_groups,
-        state=start.state,
-        copy_bandwidth=bandwidth,
-        num_rounds=job.rollout.rounds,
-    )
+    driver: Any
+    if spec is not None:
+        from rollout.job.env_rounds import EnvRoundDriver, env_limits
+
+        ro = job.rollout
+        driver = EnvRoundDriver(engine, dataset, params, job.data.num_prompts, spec, env_limits(ro, params), reward_fn,
+                                start_round=start.round, seed=start.job_seed, mode=ro.mode,
+                                max_inflight_groups=ro.max_inflight_groups, max_staleness=ro.max_staleness,
+                                stale_groups=ro.stale_groups, recompute_running=ro.recompute_running,
+                                state=start.state)
+    else:
+        driver = RoundDriver(
+            engine,
+            dataset,
+            params,
+            job.data.num_prompts,
+            reward_fn,
+            start_round=start.round,
+            log_every_steps=job.logger.log_every_steps,
+            on_step=logger.log_step,
+            progress=job.logger.progress,
+            seed=start.job_seed,
+            mode=job.rollout.mode,
+            max_staleness=job.rollout.max_staleness,
+            stale_groups=job.rollout.stale_groups,
+            recompute_running=job.rollout.recompute_running,
+            max_inflight_groups=job.rollout.max_inflight_groups,
+            state=start.state,
+            copy_bandwidth=bandwidth,
+            num_rounds=job.rollout.rounds,
+        )
     exit_code, wrote = 1, False
     threads = torch_threads(job.rollout.torch_threads)
     try:
@@ -111,6 +128,8 @@ def _run_locked(job: JobConfig, writer: Any) -> Path:
             log.info(_summary(result.metrics))
         exit_code = 0
     finally:
+        if spec is not None:
+            driver.close()
         torch_threads(threads)
         logger.finish(exit_code)
         if start.round == 0 and not wrote:  # the first round failed: leave output_dir as it was
@@ -142,6 +161,8 @@ def torch_threads(n: int | None) -> int:
 
 def _summary(m: dict[str, Any]) -> str:
     reward = f", reward {m['reward_mean']:.3f}" if "reward_mean" in m else ""
+    if "turns_mean" in m:
+        reward += f", {m['turns_mean']:.2f} turns, {m['tool_calls']} tool calls ({m['tool_failures']} failed)"
     carried = f", {m['carried_over_groups']} groups carried over" if m["carried_over_groups"] else ""
     dropped = f", {m['dropped_groups']} dropped as stale" if m["dropped_groups"] else ""
     return (

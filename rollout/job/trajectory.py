@@ -26,6 +26,12 @@ class Trajectory:
     reward: float | None = None
     stop_reason: str | None = None  # the stop string, or the stop token id as text; None for EOS or a length stop
     columns: dict[str, Any] = field(default_factory=dict)  # the dataset row's own columns (``PromptDataset``)
+    # multi-turn rows (rollout.env): completion_ids hold model and environment tokens, logprobs 0.0 at the latter
+    env_mask: list[int] | None = None  # 1 model token, 0 environment token (TRL's)
+    num_turns: int = 1
+    tool_calls: int = 0
+    tool_failures: int = 0
+    env_error: str | None = None  # why a finish_reason="env_error" row ended (reset/step/get_reward raised)
 
 
 def group_trajectories(

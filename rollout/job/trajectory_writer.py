@@ -42,7 +42,7 @@ def round_file_name(r: int) -> str:
     return f"round_{r:05d}.parquet"
 
 
-def trajectory_schema(with_reward: bool) -> pa.Schema:
+def trajectory_schema(with_reward: bool, with_env: bool = False) -> pa.Schema:
     fields = [
         ("round", pa.int32()),
         ("group_id", pa.int64()),
@@ -62,14 +62,17 @@ def trajectory_schema(with_reward: bool) -> pa.Schema:
     ]
     if with_reward:
         fields.append(("reward", pa.float64()))
+    if with_env:  # multi-turn rows (rollout.env): which completion tokens the model made, and the turns' counts
+        fields += [("env_mask", pa.list_(pa.int8())), ("num_turns", pa.int32()), ("tool_calls", pa.int32()),
+                   ("tool_failures", pa.int32()), ("env_error", pa.string())]
     return pa.schema(fields)
 
 
 class TrajectoryWriter:
-    def __init__(self, output_dir: str | os.PathLike[str], with_reward: bool) -> None:
+    def __init__(self, output_dir: str | os.PathLike[str], with_reward: bool, with_env: bool = False) -> None:
         self.dir = prepare_output_dir(output_dir)
         self.rounds_dir = self.dir / TRAJECTORIES
-        self.schema = trajectory_schema(with_reward)
+        self.schema = trajectory_schema(with_reward, with_env)
         self.base_names = list(self.schema.names)  # then the dataset's columns (``set_data_columns``)
         self.num_rows = 0
         self.state: dict[str, Any] | None = None  # the last complete round's round driver's state (after resume)
@@ -135,7 +138,7 @@ class TrajectoryWriter:
                 f"{path} is corrupt ({e}); move it and every later round file away to resume from the round "
                 "before it, or start a new output_dir"
             ) from None
-        fixed = set(trajectory_schema(True).names)  # the dataset's columns follow ours, never one of ours
+        fixed = set(trajectory_schema(True, True).names)  # the dataset's columns follow ours, never one of ours
         if names[: len(self.base_names)] != self.base_names or fixed & set(names[len(self.base_names):]):
             raise ValueError(f"cannot resume: {path} has columns {names}, this run writes {self.base_names} "
                              "and the dataset's columns")
@@ -193,7 +196,8 @@ class TrajectoryWriter:
 
     def set_data_columns(self, types: Mapping[str, pa.DataType]) -> None:
         """Every trajectory also carries its dataset row's columns (``PromptDataset.column_types``)."""
-        self.schema = pa.schema([*trajectory_schema("reward" in self.base_names), *types.items()])
+        base = trajectory_schema("reward" in self.base_names, "env_mask" in self.base_names)
+        self.schema = pa.schema([*base, *types.items()])
 
     def _to_table(self, trajectories: Sequence[Trajectory]) -> pa.Table:
         columns = {name: [getattr(t, name) for t in trajectories] for name in self.base_names}

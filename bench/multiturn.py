@@ -1,0 +1,247 @@
+"""W4 (issue 22): multi-turn conversations through the engine's environment loop vs a turn-synchronous loop.
+
+    python bench/multiturn.py --out bench/results/w4.jsonl          # H200: qwen3-0.6b shape, bf16
+    python scripts/bench.py --workload W4 --out bench/results/w4.jsonl   # the same, from the bench script
+    python bench/multiturn.py --tiny                                # CPU: a tiny model, seconds
+
+256 conversations x 4 model turns x 256 generated tokens per turn (ignore_eos), 128-token prompts; after each
+of the first three turns the environment sleeps a seeded 0-200 ms and replies 32-64 tokens. Two modes, in the
+same run, each on a fresh engine:
+
+- ``env_loop``: ``rollout.envs.EnvLoop``: each conversation's environment runs in a thread pool as soon as its
+  turn ends while the others keep decoding, and its reply is appended to the same sequence (resident KV).
+- ``turn_sync``: TRL's ``_tool_call_loop`` shape: a turn is generated for every conversation, every conversation
+  waits for the slowest environment call of the turn, then all continue as new requests holding the whole
+  conversation (re-prefilled, less what the prefix cache still holds).
+- ``turn_sync_nocache``: the same with the prefix cache off (every turn re-prefills the whole conversation).
+
+Reported per mode: model tok/s (generated tokens / wall), GPU busy fraction (compute-stream time / wall; None on
+the CPU), prefill tokens over (prompt + environment) tokens, and for env_loop ``vs_turn_sync`` and
+``vs_turn_sync_nocache`` (tok/s ratios).
+Needs only torch, transformers and the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime as dt
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rollout import Engine, SamplingParams  # noqa: E402
+from rollout.envs import EnvLimits, EnvLoop, EnvSpec  # noqa: E402
+
+W4 = dict(preset="qwen3-0.6b", conversations=256, turns=4, turn_tokens=256, prompt_len=128, reply=(32, 64),
+          sleep_ms=(0, 200))
+TINY = dict(preset="tiny", conversations=8, turns=3, turn_tokens=12, prompt_len=16, reply=(4, 8), sleep_ms=(0, 20))
+QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                 max_position_embeddings=40960, rope_theta=1e6)
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512)
+
+
+class SleepyEnv:
+    """W4's environment (``step`` form): a seeded 0-200 ms sleep, then 32-64 random token ids as the reply
+    (written as text of ids; ``IdsRenderer`` reads them back). The last turn gets no reply and no sleep."""
+
+    def reset(self, **row) -> str | None:
+        self.rng, self.turn, self.w = random.Random(row["seed"]), 0, row["w"]
+        return None
+
+    def step(self, completion_text: str) -> str | None:
+        self.turn += 1
+        if self.turn >= self.w["turns"]:
+            return None
+        return reply_text(self.rng, self.w)
+
+
+def reply_text(rng: random.Random, w: dict) -> str:
+    time.sleep(rng.uniform(*w["sleep_ms"]) / 1e3)
+    n = rng.randint(*w["reply"])
+    return " ".join(str(rng.randrange(100, w["vocab"] - 100)) for _ in range(n))
+
+
+class IdsRenderer:
+    """Prompts are token ids, replies are ids written as text: no tokenizer or chat template needed."""
+
+    def prompt(self, prompt: list[int], reset_text: str | None) -> tuple[str, list[int]]:
+        return "", list(prompt)
+
+    def reply(self, messages: list[dict], last_model_token: int | None) -> list[int]:
+        return [int(t) for t in messages[0]["content"].split()]
+
+    def decode(self, ids: list[int]) -> str:
+        return ""
+
+
+def build_model(w: dict, device: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    cfg = LlamaConfig(**TINY_LLAMA) if w["preset"] == "tiny" else Qwen3Config(**QWEN3_06B)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    torch.manual_seed(0)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+
+
+def make_engine(hf: torch.nn.Module, w: dict, device: str, prefix_cache: bool = True) -> Engine:
+    per_conv = w["prompt_len"] + w["turns"] * w["turn_tokens"] + (w["turns"] - 1) * w["reply"][1] + 16
+    blocks = int(w["conversations"] * -(-per_conv // 16) * 1.1) + 64
+    eng = Engine.from_pretrained(hf, dtype="float32" if device == "cpu" else "bfloat16", device=device,
+                                 max_model_len=per_conv + 16, max_num_seqs=w["conversations"], num_blocks=blocks,
+                                 block_size=16, enable_prefix_caching=prefix_cache)
+    warm = [[1] * 8] * w["conversations"]
+    eng.generate(warm, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
+    for b in sorted(getattr(eng.runner, "graph_sizes", []) or [], reverse=True):  # capture every decode size
+        if b <= len(warm):
+            eng.generate(warm[:b], SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))
+    return eng
+
+
+def prompts_of(w: dict) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(100, w["vocab"] - 100, (w["prompt_len"],), generator=g).tolist()
+            for _ in range(w["conversations"])]
+
+
+def params_of(w: dict) -> list[SamplingParams]:
+    return [SamplingParams(temperature=1.0, seed=i, max_tokens=w["turn_tokens"], ignore_eos=True)
+            for i in range(w["conversations"])]
+
+
+def run_env_loop(eng: Engine, w: dict) -> dict:
+    loop = EnvLoop(eng, EnvSpec(SleepyEnv), None, EnvLimits(max_turns=w["turns"], max_turn_tokens=w["turn_tokens"],
+                                                            env_workers=w["conversations"]),
+                   renderer=IdsRenderer())
+    rows = [{"seed": i, "w": w} for i in range(w["conversations"])]
+    try:
+        eps = loop.run(rows, prompts_of(w), params_of(w), request_prefix="w4")
+    finally:
+        loop.close()
+    bad = [ep for ep in eps if ep.error is not None or ep.num_turns != w["turns"]]
+    assert not bad, bad[0]
+    env = sum(ep.env_mask.count(0) for ep in eps)
+    return dict(env_tokens=env, given_tokens=env + sum(len(ep.prompt_ids) for ep in eps),
+                model_tokens=sum(ep.env_mask.count(1) for ep in eps))
+
+
+def run_turn_sync(eng: Engine, w: dict) -> dict:
+    """Generate a turn for all, call every environment concurrently, wait for the slowest, re-submit all."""
+    histories = prompts_of(w)
+    params = params_of(w)
+    rngs = [random.Random(i) for i in range(w["conversations"])]
+    given, model = sum(map(len, histories)), 0
+    pool = cf.ThreadPoolExecutor(w["conversations"])
+    try:
+        for turn in range(w["turns"]):
+            outs = eng.generate(histories, [SamplingParams(**{**_kw(p), "seed": p.seed + 7919 * turn})
+                                            for p in params])
+            for h, o in zip(histories, outs):
+                h += o.outputs[0].token_ids
+                model += len(o.outputs[0].token_ids)
+            if turn + 1 < w["turns"]:
+                replies = list(pool.map(lambda r: reply_text(r, w), rngs))  # the slowest gates the turn
+                for h, text in zip(histories, replies):
+                    ids = [int(t) for t in text.split()]
+                    h += ids
+                    given += len(ids)
+    finally:
+        pool.shutdown()
+    return dict(env_tokens=given - w["conversations"] * w["prompt_len"], given_tokens=given, model_tokens=model)
+
+
+def _kw(p: SamplingParams) -> dict:
+    return dict(temperature=p.temperature, max_tokens=p.max_tokens, ignore_eos=p.ignore_eos)
+
+
+def measure(mode: str, hf: torch.nn.Module, w: dict, device: str) -> dict:
+    eng = make_engine(hf, w, device, prefix_cache=mode != "turn_sync_nocache")
+    before = eng.get_stats()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    counts = (run_env_loop if mode == "env_loop" else run_turn_sync)(eng, w)  # turn_sync*: the same loop
+    if device == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    after = eng.get_stats()
+    generated = after.num_generated_tokens - before.num_generated_tokens
+    prefill = after.num_prefill_tokens - before.num_prefill_tokens
+    busy = None
+    if after.gpu_compute_s is not None and before.gpu_compute_s is not None:
+        busy = round((after.gpu_compute_s - before.gpu_compute_s) / wall, 4)
+    rec = dict(workload="W4" if w["preset"] != "tiny" else "W4-tiny", mode=mode, preset=w["preset"],
+               conversations=w["conversations"], turns=w["turns"], turn_tokens=w["turn_tokens"],
+               timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), wall_s=round(wall, 3),
+               model_tokens=generated, tok_s=round(generated / wall, 1), gpu_busy_frac=busy,
+               prefill_tokens=prefill, given_tokens=counts["given_tokens"], env_tokens=counts["env_tokens"],
+               prefill_over_given=round(prefill / counts["given_tokens"], 4),
+               prefix_cached_tokens=after.num_prefix_cached_tokens - before.num_prefix_cached_tokens,
+               preemptions=after.num_preemptions - before.num_preemptions, device=_device(device), commit=_commit())
+    assert counts["model_tokens"] == generated == w["conversations"] * w["turns"] * w["turn_tokens"], (counts, rec)
+    del eng
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rec
+
+
+def run(tiny: bool, modes: list[str], out: str | None) -> list[dict]:
+    device = "cpu" if tiny or not torch.cuda.is_available() else "cuda"
+    w = dict(TINY if tiny else W4)
+    w["vocab"] = (TINY_LLAMA if tiny else QWEN3_06B)["vocab_size"]
+    hf = build_model(w, device)
+    recs = [measure(m, hf, w, device) for m in modes]
+    by = {r["mode"]: r for r in recs}
+    for base in ("turn_sync", "turn_sync_nocache"):
+        if "env_loop" in by and base in by:
+            by["env_loop"][f"vs_{base}"] = round(by["env_loop"]["tok_s"] / by[base]["tok_s"], 3)
+    for r in recs:
+        line = json.dumps(r)
+        print(line, flush=True)
+        if out:
+            with open(out, "a") as f:
+                f.write(line + "\n")
+    return recs
+
+
+def _device(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+def _commit() -> str:
+    if os.environ.get("COMMIT"):
+        return os.environ["COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=ROOT).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (a smoke run of both modes)")
+    p.add_argument("--modes", default="env_loop,turn_sync,turn_sync_nocache")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if not args.tiny and not torch.cuda.is_available():
+        sys.exit("W4 needs a CUDA GPU (or --tiny for the CPU smoke run)")
+    run(args.tiny, [m for m in args.modes.split(",") if m], args.out)
+
+
+if __name__ == "__main__":
+    main()
