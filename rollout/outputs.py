@@ -27,3 +27,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     prompt: str | None = None
     finished: bool = False
+    # Prompt tokens whose KV came from the prefix cache at the request's first scheduling (vLLM's name)
+    num_cached_tokens: int = 0

@@ -231,7 +231,8 @@ class Engine:
                 if isinstance(seq.stop_reason, str):
                     out.text = truncate_at_stop(out.text, seq.stop_reason)
             outs.append(out)
-        return RequestOutput(request.request_id, request.prompt_token_ids, outs, request.prompt, finished)
+        cached = min(max(0, request.seqs[0].num_first_cached_tokens), len(request.prompt_token_ids))
+        return RequestOutput(request.request_id, request.prompt_token_ids, outs, request.prompt, finished, cached)
 
     def generate(self, prompts: object, sampling_params: object = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Run the prompts to completion; outputs in prompt order. Safe to call from several threads

@@ -167,7 +167,8 @@ def _stream(st: ServerState, req: GenerateRequest, ids: list[list[int]], params:
                         item = {"text": c.text, "output_ids": c.token_ids,
                                 "meta_info": {"id": rids[i], "finish_reason": None,
                                               "prompt_tokens": len(out.prompt_token_ids),
-                                              "completion_tokens": len(c.token_ids)}}
+                                              "completion_tokens": len(c.token_ids),
+                                              "cached_tokens": int(getattr(out, "num_cached_tokens", 0) or 0)}}
                     item["index"] = i * n + c.index
                     yield f"data: {json.dumps(item)}\n\n"
             yield "data: [DONE]\n\n"
