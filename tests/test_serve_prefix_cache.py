@@ -49,6 +49,7 @@ def client():
         for i in range(len(SPECIALS)):
             if i != EOS:
                 hf.lm_head.weight[i].zero_()
+        hf.lm_head.weight[EOS] = 1.1 * hf.lm_head.weight[173]  # EOS wherever w167 would win: some turns stop
     eng = Engine.from_pretrained(hf, dtype="float32", device="cpu", tokenizer=word_tokenizer(),
                                  max_model_len=512, block_size=BLOCK, num_blocks=256)
     with TestClient(build_app(eng, ServeConfig(), "tiny")) as c:
@@ -92,3 +93,60 @@ def test_usage_reports_cached_tokens_on_both_endpoints_and_streams(client):
 
     sg = client.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}}).json()
     assert sg["meta_info"]["cached_tokens"] == 20
+
+
+# ---- 2. multi-turn agents over the OpenAI API ----------------------------------------------------------------
+def test_each_chat_turn_reuses_the_whole_previous_conversation(client):
+    """An agent loop: each request is the whole conversation so far (the assistant turns as text). Every
+    later turn finds the previous prompt and its completion in the prefix cache, up to the block holding
+    the previous turn's last token (the sampled final token is never an input, so its KV does not exist),
+    and the template's re-rendering of the assistant turn gives back exactly the generated ids."""
+    messages = [{"role": "system", "content": "w7 w8 w9 w10 w11"},
+                {"role": "user", "content": " ".join(f"w{i}" for i in range(40, 57))}]
+    prev: list[int] | None = None
+    computed = total = 0
+    finishes = set()
+    for turn, max_tokens in enumerate((11, 14, 9, 13)):
+        r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "temperature": 0,
+                                                       "max_tokens": max_tokens})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        choice, usage, prompt = body["choices"][0], body["usage"], body["prompt_token_ids"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        if prev is None:
+            assert cached == 0
+        else:
+            assert prompt[: len(prev)] == prev, f"turn {turn}: the re-rendered conversation differs from the ids"
+            assert cached >= _floor(len(prev) - 1), (turn, cached, len(prev))
+            assert cached <= _floor(len(prompt) - 1)
+        computed += usage["prompt_tokens"] - cached
+        total += usage["prompt_tokens"]
+        prev = prompt + choice["token_ids"]
+        finishes.add(choice["finish_reason"])
+        messages += [{"role": "assistant", "content": choice["message"]["content"]},
+                     {"role": "user", "content": f"w{100 + turn} w{120 + turn} w{140 + turn}"}]
+    assert finishes == {"stop", "length"}  # an EOS-ended turn re-renders with the template's own EOS
+    assert computed < 0.5 * total  # 4 turns: most of each later prompt is the conversation before it
+
+
+def test_multiturn_bench_reports_the_hit_rate(client):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "multiturn_cache.py"
+    spec = importlib.util.spec_from_file_location("multiturn_cache", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.WORDS = tuple(f"w{i}" for i in range(60, 90))  # the word-level tokenizer's words
+
+    def post(route: str, body: dict) -> dict:
+        r = client.post(route, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    line = bench.run(post, "tiny", conversations=3, turns=3, max_tokens=6, user_words=8, concurrency=3,
+                     temperature=0.0)
+    assert line["later_turns"] == 6 and line["drifted_turns"] == 0
+    assert line["reusable_tokens"] == line["previous_tokens"]
+    assert line["prefill_tokens"] == line["prompt_tokens"] - line["cached_tokens"]
+    assert line["cached_of_reusable"] >= 0.8 and line["later_turns_hit_rate"] >= 0.6
