@@ -59,3 +59,22 @@ def test_abort_request_by_rid_answers_with_finish_reason_abort(client, stream):
     assert meta["finish_reason"]["type"] == "abort" and meta["id"] == f"slime-{stream}"
     assert len(item["output_ids"]) == meta["completion_tokens"] < 400  # the tokens so far, kept
     assert client.get("/get_server_info").json()["internal_states"][0]["num_running_reqs"] == 0
+
+
+def test_init_weights_update_group_with_nobody_at_the_rendezvous_fails_within_seconds(client):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": "slime-pp_0", "backend": "gloo"}  # slime's payload (gloo: a CPU engine)
+    t0 = time.monotonic()
+    r = client.post("/init_weights_update_group", json=body)
+    elapsed = time.monotonic() - t0
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert f"127.0.0.1:{port}" in message and "slime-pp_0" in message and "nobody is listening" in message
+    assert elapsed < 10, f"took {elapsed:.1f} s (server.max_weight_timeout_s is 120 s)"
+    assert client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
+                       ).status_code == 200  # the server serves on
