@@ -95,6 +95,27 @@ def test_usage_reports_cached_tokens_on_both_endpoints_and_streams(client):
     assert sg["meta_info"]["cached_tokens"] == 20
 
 
+def test_first_scheduling_hits_stay_after_the_sequence_is_recomputed():
+    """vLLM's meaning: a request recomputed later (weights changed, preempted) keeps the hits of its first
+    admission, though its re-allocation finds its own earlier blocks."""
+    from tests.test_scheduler import Harness
+
+    h = Harness(block_size=BLOCK)
+    prompt = list(range(10, 19))  # 9 tokens: 2 blocks may hit
+    h.add(prompt, max_tokens=2, ignore_eos=True)
+    while h.sched.has_unfinished():
+        h.step()
+    rid = h.add(prompt, max_tokens=12, ignore_eos=True)
+    seq = h.sched.requests[rid].seqs[0]
+    for _ in range(6):
+        h.step()
+    assert seq.num_first_cached_tokens == seq.num_cached_tokens == 8
+    h.sched.recompute_running()
+    h.step()
+    assert seq.num_cached_tokens > 8 and seq.num_first_cached_tokens == 8
+    h.check()
+
+
 # ---- 2. multi-turn agents over the OpenAI API ----------------------------------------------------------------
 def test_each_chat_turn_reuses_the_whole_previous_conversation(client):
     """An agent loop: each request is the whole conversation so far (the assistant turns as text). Every
