@@ -78,3 +78,19 @@ def test_init_weights_update_group_with_nobody_at_the_rendezvous_fails_within_se
     assert elapsed < 10, f"took {elapsed:.1f} s (server.max_weight_timeout_s is 120 s)"
     assert client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
                        ).status_code == 200  # the server serves on
+
+
+def test_abort_request_while_paused_answers_once_generation_continues(client):
+    answers = {}
+    body = {"input_ids": [5, 6, 7], "sampling_params": LONG, "rid": "paused-1"}
+    caller = threading.Thread(target=lambda: answers.setdefault("r", client.post("/generate", json=body)))
+    caller.start()
+    _running(client)
+    assert client.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+    assert client.post("/abort_request", json={"rid": "paused-1"}).json() == {"success": True}
+    caller.join(1.0)
+    assert caller.is_alive()  # paused: nothing steps, not even to hand the aborted output over
+    assert client.post("/continue_generation", json={}).status_code == 200
+    caller.join(60)
+    item = answers["r"].json()
+    assert item["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(item["output_ids"]) < 400
