@@ -46,8 +46,8 @@ def make_cache(batch: int, ctx: int, hkv: int, d: int, page: int, dtype: torch.d
 
         raw = torch.empty(2, sum(nblk) + 1, fp8_block_bytes(page, hkv, d), dtype=torch.uint8, device="cuda")
         values, scales = fp8_views(raw, hkv, d)
-        for i in range(2):
-            values[i].copy_(torch.randn(values.shape[1:], device="cuda").to(values.dtype))
+        for half in values:  # K token-major, V token-contiguous (rollout.layers.kv_quant)
+            half.view(torch.uint8).copy_(torch.randn(half.shape, device="cuda").to(half.dtype).view(torch.uint8))
         scales.fill_(0.01)
         return values, tables.cuda(), seq_lens, scales
     cache = torch.empty(2, sum(nblk) + 1, page, hkv, d, device="cuda", dtype=dtype).normal_()
@@ -82,18 +82,22 @@ def graph_ms(calls: list) -> float:
     return do_bench(graph.replay, warmup=25, rep=100, return_mode="median") / len(calls)
 
 
-DECODE_CONFIGS = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 3), (64, 8, 3)]
+# (BLOCK_N, num_warps, num_stages[, maxnreg]); fp8's default is (128, 4, 2, 168)
+DECODE_CONFIGS = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 2, 168), (128, 4, 3, 168), (128, 8, 2), (32, 4, 3),
+                  (64, 8, 3), (256, 8, 2)]
 
 
 def decode_variants(args, batch: int, hkv: int, max_tiles: int) -> list[dict]:
-    """What to time: the balanced partition (default), the previous fixed-split heuristic ("legacy"),
-    fixed split counts (--sweep-splits), tile configs and wave counts (--sweep-decode)."""
+    """What to time: the balanced partition (default), the previous fixed-split heuristic ("legacy") and
+    the balanced one with its merge fused into the split kernel ("fused"), fixed split counts
+    (--sweep-splits), tile configs and wave counts (--sweep-decode)."""
     from rollout.kernels.paged_decode import choose_num_splits, choose_split_target, num_sms
 
     sms = num_sms(torch.device("cuda"))
     out = [dict(variant="balanced")]
     if args.compare_legacy:
         out.append(dict(variant="legacy", num_splits=choose_num_splits(batch, hkv, max_tiles, sms)))
+        out.append(dict(variant="fused", fused_merge=True))  # balanced, the merge in the split kernel
     if args.sweep_splits:
         out += [dict(variant="fixed", num_splits=s) for s in (1, 2, 4, 8, 16, 32, 64)]
     if args.sweep_decode:
@@ -102,7 +106,7 @@ def decode_variants(args, batch: int, hkv: int, max_tiles: int) -> list[dict]:
     return out
 
 
-def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: torch.dtype, kv: str) -> None:
+def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: torch.dtype, kv: str) -> list[dict]:
     import rollout.kernels.paged_decode as pd
 
     lens = long_tail_lens(batch, ctx, seed=batch) if args.lengths == "long-tail" else [ctx] * batch
@@ -115,10 +119,12 @@ def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: to
         cache, tables, seq_lens, scales = make_cache(batch, ctx, hkv, d, args.page, dtype, seed=i, lens=lens, kv=kv)
         q = torch.randn(batch, hq, d, device="cuda", dtype=dtype)
         inputs.append((q, cache, tables, seq_lens, torch.empty_like(q), scales))
-    max_tiles = -(-inputs[0][2].shape[1] * args.page // pd.decode_config(args.page, d, inputs[0][1].dtype)[0])
+    kv_dtype = inputs[0][1][0].dtype  # the K half's: a [2, ...] cache or fp8's KVPair
+    max_tiles = -(-inputs[0][2].shape[1] * args.page // pd.decode_config(args.page, d, kv_dtype)[0])
     default_config = pd.decode_config
+    recs = []
     for var in decode_variants(args, batch, hkv, max_tiles):
-        kw = {k: var[k] for k in ("num_splits", "split_target") if k in var}
+        kw = {k: var[k] for k in ("num_splits", "split_target", "fused_merge") if k in var}
         if "config" in var:
             pd.decode_config = lambda *_, c=var["config"]: c  # bench-only override of the tile choice
         try:
@@ -135,10 +141,25 @@ def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: to
             "bench": "decode", "preset": args.preset, "dtype": str(dtype).removeprefix("torch."), "kv": kv,
             "lengths": args.lengths, "B": batch, "ctx": ctx, "mean_ctx": round(sum(lens) / batch),
             **{k: v for k, v in var.items() if k != "config"}, "config": var.get("config", default_config(
-                args.page, d, inputs[0][1].dtype)), "ms": round(ms, 4),
+                args.page, d, kv_dtype)), "ms": round(ms, 4),
             "kv_gib": round(kv_bytes / 2**30, 3), "gbps": round(kv_bytes / ms / 1e6, 1), "graph_copies": copies,
         }  # fmt: skip
         print(json.dumps(rec), flush=True)
+        recs.append(rec)
+    return recs
+
+
+def kv_summary(recs: list[dict]) -> None:
+    """One line per (B, ctx): the default fp8 decode against the default bf16 one, same inputs' lengths."""
+    best = {(r["kv"], r["B"], r["ctx"]): r for r in recs if r["variant"] == "balanced"}
+    for (kv, batch, ctx), r in best.items():
+        ref = best.get(("bf16", batch, ctx))
+        if kv == "fp8" and ref:
+            rec = {
+                "bench": "fp8_vs_bf16", "B": batch, "ctx": ctx, "bf16_ms": ref["ms"], "fp8_ms": r["ms"],
+                "speedup": round(ref["ms"] / r["ms"], 3), "bf16_gbps": ref["gbps"], "fp8_gbps": r["gbps"],
+            }  # fmt: skip
+            print(json.dumps(rec), flush=True)
 
 
 PREFILL_CONFIGS = [
@@ -151,12 +172,12 @@ PREFILL_CONFIGS = [
 ]
 
 
-def time_prefill(args, batch: int, q_len: int, prefix: int, hq: int, hkv: int, d: int, dtype) -> None:
+def time_prefill(args, batch: int, q_len: int, prefix: int, hq: int, hkv: int, d: int, dtype, kv: str) -> None:
     from triton.testing import do_bench
 
     import rollout.kernels.paged_prefill as pp
 
-    cache, tables, seq_lens, _ = make_cache(batch, q_len + prefix, hkv, d, args.page, dtype)
+    cache, tables, seq_lens, scales = make_cache(batch, q_len + prefix, hkv, d, args.page, dtype, kv=kv)
     q = torch.randn(batch * q_len, hq, d, device="cuda", dtype=dtype)
     qsl = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * q_len
     visible = batch * (q_len * prefix + q_len * (q_len + 1) / 2)  # causal (query, key) pairs
@@ -164,12 +185,12 @@ def time_prefill(args, batch: int, q_len: int, prefix: int, hq: int, hkv: int, d
     for cfg in PREFILL_CONFIGS if args.sweep_prefill else [default(d, args.page)]:
         pp.prefill_blocks = lambda *_, cfg=cfg: cfg  # bench-only override of the tile choice
         try:
-            fn = lambda: pp.paged_prefill_attention(q, cache, qsl, seq_lens, tables, d**-0.5, q_len)
+            fn = lambda: pp.paged_prefill_attention(q, cache, qsl, seq_lens, tables, d**-0.5, q_len, kv_scales=scales)
             ms = do_bench(fn, warmup=10, rep=50, return_mode="median")
         finally:
             pp.prefill_blocks = default
         rec = {
-            "bench": "prefill", "preset": args.preset, "dtype": str(dtype).removeprefix("torch."),
+            "bench": "prefill", "preset": args.preset, "dtype": str(dtype).removeprefix("torch."), "kv": kv,
             "B": batch, "q_len": q_len, "prefix": prefix, "config": cfg, "ms": round(ms, 4),
             "tflops": round(4 * hq * d * visible / ms / 1e9, 1),
         }  # fmt: skip
@@ -191,7 +212,7 @@ def main() -> None:
     parser.add_argument("--sweep-decode", action="store_true", help="also time decode tile configs and wave counts")
     parser.add_argument("--lengths", choices=["uniform", "long-tail"], default="uniform",
                         help="every context ctx tokens, or W2-like log-uniform in [512, ctx]")
-    parser.add_argument("--kv", default="bf16", help="comma list of bf16, fp8 (cache types to time decode with)")
+    parser.add_argument("--kv", default="bf16", help="comma list of bf16, fp8 (cache types to time decode and prefill)")
     parser.add_argument("--sweep-prefill", action="store_true", help="time several prefill tile configs")
     parser.add_argument("--no-prefill", action="store_true")
     args = parser.parse_args()
@@ -206,15 +227,18 @@ def main() -> None:
         "triton": triton.__version__, "preset": args.preset, "hq": hq, "hkv": hkv, "head_dim": d,
     }  # fmt: skip
     print(json.dumps(header), flush=True)
+    recs = []
     for kv in args.kv.split(","):
         for batch in args.batches:
             for ctx in args.ctxs:
-                time_decode(args, batch, ctx, hq, hkv, d, dtype, kv)
+                recs += time_decode(args, batch, ctx, hq, hkv, d, dtype, kv)
                 torch.cuda.empty_cache()
+    kv_summary(recs)
     if not args.no_prefill:  # (sequences, new tokens each, cached prefix each)
-        for batch, q_len, prefix in [(1, 4096, 0), (4, 2048, 0), (8, 512, 4096), (1, 8192, 0)]:
-            time_prefill(args, batch, q_len, prefix, hq, hkv, d, dtype)
-            torch.cuda.empty_cache()
+        for kv in args.kv.split(","):
+            for batch, q_len, prefix in [(1, 4096, 0), (4, 2048, 0), (8, 512, 4096), (1, 8192, 0)]:
+                time_prefill(args, batch, q_len, prefix, hq, hkv, d, dtype, kv)
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

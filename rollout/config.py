@@ -21,7 +21,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     async_mode: bool | None = None  # None = on for CUDA, off for CPU
     cuda_graphs: bool | None = None  # None = on for CUDA
-    max_graph_batch_size: int = 256
+    max_graph_batch_size: int = 512  # decode graphs up to min(this, max_num_seqs) sequences
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"  # "fp8": e4m3 with a scale per (token, kv head), ~1.97x bf16's tokens
     seed: int = 0

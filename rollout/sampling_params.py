@@ -14,6 +14,7 @@ MAX_SEED = 1 << 64  # exclusive
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 512  # per stop string: the stop check detokenizes that many trailing tokens per token
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default max_logprobs)
 
 
 @dataclass(slots=True)
@@ -24,6 +25,12 @@ class SamplingParams:
     ``policy`` (default) is log softmax(logits / T) over the whole vocabulary in float32, the
     number an RL trainer recomputes; ``processed`` is the log-probability under the distribution
     actually sampled from (after top-k / top-p / min-p); ``raw`` uses T = 1. Greedy uses T = 1.
+
+    Penalties (vLLM's): ``repetition_penalty`` divides positive / multiplies negative logits of tokens seen
+    in the prompt or output; ``presence_penalty`` and ``frequency_penalty`` subtract per output token seen /
+    per occurrence. They act on the logits before temperature; ``raw`` logprobs stay the model's own.
+    ``logprobs=k`` adds the k most likely tokens per generated token (of the distribution ``logprobs_mode``
+    names); ``prompt_logprobs=k`` scores every prompt token under that same distribution, plus k alternatives.
     """
 
     n: int = 1
@@ -38,7 +45,17 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs_mode: str = "policy"
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # top alternatives per generated token (the sampled token's logprob always comes)
+    prompt_logprobs: int | None = None  # each prompt token's logprob, plus that many alternatives
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
     stop_set: frozenset[int] = field(default=frozenset(), init=False, repr=False)
+    has_penalties: bool = field(default=False, init=False, repr=False)  # set by validate (read every step)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -66,6 +83,25 @@ class SamplingParams:
             _check_int("seed", self.seed, 0, MAX_SEED - 1, "an int in [0, 2**64) or None")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        _check_num("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_num(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {value}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, 0, MAX_LOGPROBS, f"None or an int in [0, {MAX_LOGPROBS}]")
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+                     "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, MAX_INT32,
+                       f"None or an int in [1, {MAX_INT32}]")
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)):
                 raise TypeError(f"stop_token_ids must be a list of ints, got {type(self.stop_token_ids).__name__}")
@@ -85,6 +121,8 @@ class SamplingParams:
             if longest > MAX_STOP_CHARS:
                 raise ValueError(f"a stop string has {longest} characters; allowed: at most {MAX_STOP_CHARS}")
         self.stop_set = frozenset(self.stop_token_ids or ())
+        self.has_penalties = (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                              or self.frequency_penalty != 0.0)
 
     def check_vocab(self, vocab_size: int) -> None:
         """The bounds that depend on the model: ``top_k`` and ``stop_token_ids`` within its vocabulary."""
@@ -94,6 +132,11 @@ class SamplingParams:
         for t in self.stop_token_ids or ():
             if t >= vocab_size:
                 raise ValueError(f"stop_token_ids entry {t} is outside the vocabulary; allowed: [0, {vocab_size})")
+
+    @property
+    def num_top_logprobs(self) -> int:
+        """Alternatives per generated token (0: only the sampled token's logprob)."""
+        return self.logprobs or 0
 
     @property
     def effective_top_k(self) -> int:

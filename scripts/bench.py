@@ -6,8 +6,12 @@ Random-init models with real shapes, bf16, ignore_eos; ``--sampling`` picks gree
 ``t1`` (temperature 1.0, seeded: W2's default) or ``t1p95`` (plus top_p 0.95), recorded as ``sampling``.
 Ratios are measured in the same run:
 ``floor_ratio`` = the byte floor (weights + live KV each decode step must read, over the copy
-bandwidth measured here) / the compute-stream time of those steps; ``gpu_busy_frac`` = compute-stream
-time / wall time; ``vs_hf`` = our tok/s over Hugging Face continuous batching's on the same prompts.
+bandwidth measured here) / the compute-stream time of those steps; ``roofline_ratio`` the same with
+the roofline, per step and op class max(bytes / copy bandwidth, FLOPs / bf16 GEMM peak measured here)
+(GEMMs: weights and 2 FLOPs per weight per row; attention: live KV and 4 * Hq * D FLOPs per cached
+token per layer), so the bar is honest where a large batch makes the GEMMs compute-bound;
+``gpu_busy_frac`` = compute-stream time / wall time; ``vs_hf`` = our tok/s over Hugging Face
+continuous batching's on the same prompts.
 Imports only torch, transformers and the engine (the GPU machine has no hydra/wandb/datasets).
 """
 
@@ -82,6 +86,48 @@ def copy_bandwidth_tbps() -> float:
     return 2 * 4 * 1024**3 / (ms / 1e3) / 1e12
 
 
+def matmul_peak_tflops(n: int = 8192, reps: int = 20) -> float:
+    """bf16 GEMM TFLOP/s measured here (n x n x n, median of ``reps``): the roofline's compute roof."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n**3 / (sorted(times)[reps // 2] / 1e3) / 1e12
+
+
+def gemm_params(hf: torch.nn.Module) -> int:
+    """Weights multiplied per token per step: every Linear, the lm_head included (tied or not)."""
+    return sum(m.weight.numel() for m in hf.modules() if isinstance(m, torch.nn.Linear))
+
+
+def roofline_s(records: list, weight_bytes: int, kv_token_bytes: float, gemm_weights: int, attn_flops_per_token: int,
+               bw_tbps: float, peak_tflops: float) -> dict[str, float]:
+    """Seconds of the decode ``records`` (batch, kv_tokens each) at the roofline: per step and op class,
+    max(bytes / bandwidth, FLOPs / peak). GEMMs: the weights, 2 FLOPs per weight per row (compute-bound
+    at large batch); attention: the live KV, ``attn_flops_per_token`` per cached token. Norms, rotary,
+    sampling are left out, as in the byte floor."""
+    bw, peak = bw_tbps * 1e12, peak_tflops * 1e12
+    gemm = attn = 0.0
+    compute_bound = 0
+    for r in records:
+        g_bytes, g_flops = weight_bytes / bw, 2 * gemm_weights * r.batch / peak
+        gemm += max(g_bytes, g_flops)
+        compute_bound += g_flops > g_bytes
+        attn += max(r.kv_tokens * kv_token_bytes / bw, r.kv_tokens * attn_flops_per_token / peak)
+    return dict(total=gemm + attn, gemm=gemm, attn=attn, gemm_compute_bound_steps=compute_bound)
+
+
 SAMPLING = {"greedy": dict(temperature=0.0), "t1": dict(temperature=1.0), "t1p95": dict(temperature=1.0, top_p=0.95)}
 
 
@@ -145,7 +191,7 @@ def generate_with_push(engine: Engine, hf: torch.nn.Module, prompts: list, param
 
 
 def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args: argparse.Namespace,
-             push: bool | None = None) -> dict:
+             push: bool | None = None, peak: float | None = None) -> dict:
     sampling = sampling_of(w, args)
     prompts, params = make_prompts(w, hf.config.vocab_size, sampling)
     n = w.get("n", 1)
@@ -178,6 +224,10 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
     pre = [r for r in runner.clock.records if not r.decode]
     floor_s = sum((weight_bytes + r.kv_tokens * kv_token_bytes) / (bw * 1e12) for r in dec)
     dec_s = sum(r.compute_ms for r in dec) / 1e3
+    cfg = hf.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    roof = roofline_s(dec, weight_bytes, kv_token_bytes, gemm_params(hf),
+                      4 * cfg.num_attention_heads * head_dim * cfg.num_hidden_layers, bw, peak or float("inf"))
     busy = sum(r.compute_ms for r in runner.clock.records) / 1e3 / wall
     rec = dict(
         workload=name, timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), mode=mode,
@@ -189,6 +239,14 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
         gpu_busy_frac=round(busy, 4), floor_ms=round(floor_s / max(1, len(dec)) * 1e3, 3),
         floor_ratio=round(floor_s / dec_s, 4) if dec_s else None,
         floor_ratio_wall=round(floor_s / wall, 4),
+        roofline_ms=round(roof["total"] / max(1, len(dec)) * 1e3, 3),
+        roofline_ratio=round(roof["total"] / dec_s, 4) if dec_s else None,
+        roofline_gemm_ms=round(roof["gemm"] / max(1, len(dec)) * 1e3, 3),
+        roofline_attn_ms=round(roof["attn"] / max(1, len(dec)) * 1e3, 3),
+        gemm_compute_bound_steps=roof["gemm_compute_bound_steps"], matmul_peak_tflops=peak and round(peak, 1),
+        mean_decode_batch=round(sum(r.batch for r in dec) / max(1, len(dec)), 1),
+        max_decode_batch=max((r.batch for r in dec), default=0),
+        eager_decode_steps=sum(not getattr(r, "graph_b", 0) for r in dec) if runner.cuda_graphs else len(dec),
         peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
         copy_bw_tbps=round(bw, 3), device=torch.cuda.get_device_name(), commit=_commit(),
         attention_backend=engine.attn.backend, cuda_graphs=runner.cuda_graphs,
@@ -345,7 +403,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench.py needs a CUDA GPU")
     bw = copy_bandwidth_tbps()
-    print(f"copy bandwidth {bw:.2f} TB/s", flush=True)
+    peak = matmul_peak_tflops()
+    print(f"copy bandwidth {bw:.2f} TB/s, bf16 GEMM peak {peak:.0f} TFLOP/s", flush=True)
     models: dict[str, torch.nn.Module] = {}
     for name in args.workload.split(","):
         w = dict(WORKLOADS[name])
@@ -357,7 +416,7 @@ def main() -> None:
             torch.cuda.empty_cache()
             models[w["preset"]] = build_hf(w["preset"])
         hf = models[w["preset"]]
-        recs = [run_ours(name, w, hf, mode, bw, args) for mode in args.modes.split(",") if mode]
+        recs = [run_ours(name, w, hf, mode, bw, args, peak=peak) for mode in args.modes.split(",") if mode]
         if len(recs) == 2 and recs[1]["mode"] == "sync":
             recs[0]["vs_sync"] = round(recs[0]["tok_s"] / recs[1]["tok_s"], 3)
             recs[0]["peak_mem_over_sync_gib"] = round(recs[0]["peak_mem_gib"] - recs[1]["peak_mem_gib"], 2)
@@ -371,13 +430,13 @@ def main() -> None:
             recs.append(run_weight_push(hf, w["preset"]))
         for kv in kv_dtypes[1:]:
             for first in [r for r in recs if r.get("kv_cache_dtype") == kv_dtypes[0] and "push_ms" not in r]:
-                r = run_ours(name, w, hf, first["mode"], bw, with_kv(args, kv))
+                r = run_ours(name, w, hf, first["mode"], bw, with_kv(args, kv), peak=peak)
                 r["vs_first_kv"] = round(r["tok_s"] / first["tok_s"], 3)
                 recs.append(r)
         if args.push_mid_run:
             base = next((r for r in recs if r.get("mode") == "async" and "push_ms" not in r), None)
             for recompute in (True, False):
-                r = run_ours(name, w, hf, "async", bw, args, push=recompute)
+                r = run_ours(name, w, hf, "async", bw, args, push=recompute, peak=peak)
                 if base is not None:
                     r["extra_wall_s"] = round(r["wall_s"] - base["wall_s"], 3)
                     r["extra_prefill_compute_s"] = round(r["prefill_compute_s"] - base["prefill_compute_s"], 3)

@@ -33,3 +33,21 @@ def test_sampling_setting_applies_to_every_workload(bench, workload):
     assert all(p.temperature == 1.0 and p.top_p == 0.95 and p.seed == i for i, p in enumerate(params))
     _, params = _params(bench, workload, "greedy")
     assert all(p.temperature == 0.0 for p in params)
+
+
+def test_roofline_takes_the_larger_of_bytes_and_flops_per_op_class(bench):
+    """A step's GEMMs are bound by their weight bytes at small batch and by FLOPs at large batch; the
+    attention by its KV bytes (4 * Hq * D FLOPs per cached token is far below the roof)."""
+    from types import SimpleNamespace
+
+    rec = SimpleNamespace
+    # 1 TB/s, 100 TFLOP/s; 1 GB of weights = 0.5 G weights (bf16): 1 ms of bytes, 2 * 0.5e9 * B FLOPs
+    args = dict(weight_bytes=10**9, kv_token_bytes=1000, gemm_weights=5 * 10**8, attn_flops_per_token=10**4,
+                bw_tbps=1.0, peak_tflops=100.0)
+    small = bench.roofline_s([rec(batch=8, kv_tokens=10**6)], **args)
+    assert small["gemm"] == pytest.approx(1e-3) and small["attn"] == pytest.approx(1e-3)  # bytes-bound
+    big = bench.roofline_s([rec(batch=1000, kv_tokens=10**6)], **args)
+    assert big["gemm"] == pytest.approx(2 * 5e8 * 1000 / 1e14)  # 10 ms of FLOPs beats 1 ms of bytes
+    assert big["gemm_compute_bound_steps"] == 1 and small["gemm_compute_bound_steps"] == 0
+    both = bench.roofline_s([rec(batch=8, kv_tokens=10**6), rec(batch=1000, kv_tokens=10**6)], **args)
+    assert both["total"] == pytest.approx(small["total"] + big["total"])

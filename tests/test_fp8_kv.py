@@ -59,14 +59,35 @@ def test_quantize_never_saturates_and_error_is_bounded():
 def test_fp8_views_share_memory_and_block_copies_move_scales():
     raw = torch.zeros(2, 5, fp8_block_bytes(8, 2, 16), dtype=torch.uint8)
     values, scales = fp8_views(raw, 2, 16)
-    assert values.shape == (2, 5, 8, 2, 16) and scales.shape == (2, 5, 8, 2)
+    assert values.k.shape == values.v.shape == (5, 8, 2, 16) and scales.shape == (2, 5, 8, 2)
     k = torch.randn(3, 2, 16)
-    write_kv(values, k, k, torch.tensor([4 * 8 + 1, -1, 9]), scales)
+    write_kv(values, k, -k, torch.tensor([4 * 8 + 1, -1, 9]), scales)
     raw[:, torch.tensor([2])] = raw[:, torch.tensor([4])]  # the runners' copy-on-write
-    got = dequantize_fp8(values[0, 2, 1], scales[0, 2, 1])
-    assert torch.allclose(got, k[0], rtol=2**-4, atol=1e-6)
+    for i, half in enumerate(values):
+        got = dequantize_fp8(half[2, 1], scales[i, 2, 1])
+        assert torch.allclose(got, k[0] * (1 - 2 * i), rtol=2**-4, atol=1e-6)
     with pytest.raises(ValueError, match="fp8 kv_cache"):
         fp8_views(raw, 3, 16)
+
+
+def test_fp8_layout_k_token_major_v_and_scales_token_contiguous():
+    """K is [page, Hkv, D] per block; V is [Hkv, D, page] (tokens contiguous: the 8-bit tensor-core
+    operand of PV must be contiguous along tokens); each half's scales are [Hkv, page] after its values."""
+    page, hkv, d = 8, 2, 16
+    raw = torch.zeros(2, 3, fp8_block_bytes(page, hkv, d), dtype=torch.uint8)
+    values, scales = fp8_views(raw, hkv, d)
+    split = page * hkv * d
+    assert values.k.stride() == (raw.shape[2], hkv * d, d, 1)
+    assert values.v.stride() == (raw.shape[2], 1, d * page, page)
+    assert scales.stride()[2:] == (1, page)
+    rows = torch.arange(hkv * d, dtype=torch.float32).view(1, hkv, d) + 1.0
+    write_kv(values, rows, rows, torch.tensor([1 * page + 3]), scales)  # block 1, slot 3
+    qv, sc = quantize_fp8(rows[0])
+    kb, vb = raw[0, 1, :split], raw[1, 1, :split]
+    assert torch.equal(kb.view(page, hkv, d)[3], qv.view(torch.uint8))
+    assert torch.equal(vb.view(hkv, d, page)[:, :, 3], qv.view(torch.uint8))
+    for i in (0, 1):
+        assert torch.equal(raw[i, 1, split:].view(torch.float16).view(hkv, page)[:, 3], sc)
 
 
 def test_kv_cache_dtype_config():
@@ -122,14 +143,17 @@ def test_engine_fp8_batch_invariant_with_shared_prompt_blocks():
 
 
 # ---- the kernels in the Triton interpreter (child process) -----------------------------------------
-def fp8_scenario(q_lens, seq_lens, hq, hkv, d, page, seed=0):
-    """(q, raw cache, values view, scales view, meta): the fp32 scenario quantized; unowned slots NaN."""
+def fp8_scenario(q_lens, seq_lens, hq, hkv, d, page, seed=0, v_scale=1.0):
+    """(q, raw cache, values views, scales view, meta): the fp32 scenario (V times ``v_scale``)
+    quantized; unowned slots NaN."""
     q, cache32, meta = scenario(q_lens, seq_lens, hq, hkv, d, page, seed=seed)
+    cache32[1] *= v_scale
     raw = torch.full((2, cache32.shape[1], fp8_block_bytes(page, hkv, d)), 0x7F, dtype=torch.uint8)  # NaN
     values, scales = fp8_views(raw, hkv, d)
     owned = ~cache32.isnan().any(-1)
     qv, sc = quantize_fp8(cache32.nan_to_num())
-    values.view(torch.uint8)[owned] = qv.view(torch.uint8)[owned]
+    for i, half in enumerate(values):
+        half.view(torch.uint8)[owned[i]] = qv[i].view(torch.uint8)[owned[i]]
     scales[owned] = sc[owned]
     return q, raw, values, scales, meta
 
@@ -146,26 +170,32 @@ def check_kv_write_bitwise():
     assert torch.equal(raws[0], raws[1]), "the kernel's fp8 bytes or scales differ from quantize_fp8's"
 
 
-def check_decode_fp8(hq, hkv, d, page, seq_lens, window=None, q_dtype=torch.float32, tol=1e-4, **kw):
+def check_decode_fp8(hq, hkv, d, page, seq_lens, window=None, q_dtype=torch.float32, tol=1e-4, v_scale=1.0,
+                     **kw):  # fmt: skip
+    """16-bit queries take the fp16 product path; ``v_scale`` makes V tiny (its scales near fp16's
+    subnormals: the kernel must scale P's columns relative to the tile, not absolutely). ``tol`` is
+    relative to ``v_scale``."""
     from rollout.kernels.paged_decode import paged_decode_attention
 
-    q, _, values, scales, meta = fp8_scenario([1] * len(seq_lens), seq_lens, hq, hkv, d, page)
+    q, _, values, scales, meta = fp8_scenario([1] * len(seq_lens), seq_lens, hq, hkv, d, page, v_scale=v_scale)
     q = q.to(q_dtype)
-    ref = reference_attention(q, values, meta, SCALE, window, scales)
+    ref = reference_attention(q.float(), values, meta, SCALE, window, scales)
     out = paged_decode_attention(q, values, meta.block_tables, meta.seq_lens, SCALE, window, kv_scales=scales, **kw)
-    assert_close(out, ref, tol)
+    assert_close(out / v_scale, ref / v_scale, tol)
 
 
-def check_prefill_fp8(q_lens, seq_lens, hq, hkv, d, page, window=None):
+def check_prefill_fp8(q_lens, seq_lens, hq, hkv, d, page, window=None, q_dtype=torch.float32, tol=1e-4,
+                      v_scale=1.0):  # fmt: skip
     from rollout.kernels.paged_prefill import paged_prefill_attention
 
-    q, _, values, scales, meta = fp8_scenario(q_lens, seq_lens, hq, hkv, d, page)
-    ref = reference_attention(q, values, meta, SCALE, window, scales)
+    q, _, values, scales, meta = fp8_scenario(q_lens, seq_lens, hq, hkv, d, page, v_scale=v_scale)
+    q = q.to(q_dtype)
+    ref = reference_attention(q.float(), values, meta, SCALE, window, scales)
     out = paged_prefill_attention(
         q, values, meta.query_start_loc, meta.seq_lens, meta.block_tables, SCALE, meta.max_query_len,
         sliding_window=window, block_m=16, block_n=16, kv_scales=scales,
     )  # fmt: skip
-    assert_close(out, ref, 1e-4)
+    assert_close(out / v_scale, ref / v_scale, tol)
 
 
 def check_backend_fp8(q_lens, seq_lens):
@@ -200,6 +230,10 @@ CHECKS = {
     "decode_fp8_gqa8_one_kv_head_window": lambda: check_decode_fp8(8, 1, 16, 8, [3, 200, 77], window=50,
                                                                    split_target=6, min_chunk=1),
     "decode_fp8_fp16_queries": lambda: check_decode_fp8(4, 2, 32, 16, [7, 260], q_dtype=torch.float16, tol=1e-2),
+    "decode_fp8_bf16_queries_tiny_v": lambda: check_decode_fp8(6, 2, 32, 16, [7, 260, 45], q_dtype=torch.bfloat16,
+                                                               tol=2e-2, v_scale=1e-5, split_target=4),
+    "prefill_fp8_bf16_queries_tiny_v": lambda: check_prefill_fp8([1, 20, 33], [9, 20, 70], 4, 2, 32, 16,
+                                                                  q_dtype=torch.bfloat16, tol=2e-2, v_scale=1e-5),
     "prefill_fp8_cached_prefix": lambda: check_prefill_fp8([1, 17, 5, 40], [9, 17, 70, 100], 4, 2, 32, 16),
     "prefill_fp8_window": lambda: check_prefill_fp8([1, 30, 45], [40, 30, 90], 4, 1, 16, 8, window=7),
     "backend_fp8_decode": lambda: check_backend_fp8([1, 1, 1], [4, 17, 33]),

@@ -235,6 +235,12 @@ CHECKS = {
     "decode_balanced_gqa8_one_kv_head": lambda: check_decode(8, 1, 16, 8, long_tail(7, 1200, 4),
                                                              split_target=10, min_chunk=1),
     "decode_one_head": lambda: check_decode(1, 1, 16, 8, [1, 300, 64], split_target=5, min_chunk=1),
+    "decode_fused_merge_long_tail": lambda: check_decode(4, 2, 16, 16, long_tail(24, 2000, 1), split_target=24,
+                                                         min_chunk=1, fused_merge=True),
+    "decode_fused_merge_fixed_splits_gqa6": lambda: check_decode(12, 2, 16, 8, [1, 40, 300], splits=5,
+                                                                 fused_merge=True),
+    "decode_fused_merge_window": lambda: check_decode(4, 2, 16, 8, [1, 19, 20, 21, 900], window=150,
+                                                      split_target=6, min_chunk=1, fused_merge=True),
     "decode_many_seqs_small_scan": check_decode_many_seqs_small_scan,
     "decode_empty_seq_strided_q_out": check_decode_empty_and_strided,
     "prefill_mixed_cached_prefix": lambda: check_prefill(

@@ -48,7 +48,7 @@ def test_engine_presets():
     from rollout.cli import train_ppo
 
     h200 = train_ppo.load_config(_raw("train_ppo", "engine=h200"))[0].engine
-    assert (h200.max_num_seqs, h200.max_graph_batch_size, h200.gpu_memory_utilization) == (256, 256, 0.9)
+    assert (h200.max_num_seqs, h200.max_graph_batch_size, h200.gpu_memory_utilization) == (256, 512, 0.9)
 
 
 def test_unknown_preset_lists_what_exists():

@@ -170,6 +170,44 @@ def check_errors() -> None:
     check_same(torch.randn(200, 4).t()[1:2], make_st(1))  # strided (non-contiguous) logits
 
 
+def _penalties(n: int, v: int, rep, pres, freq, seed: int = 0):
+    """A history tensor with prompt tokens and output counts (row n is all zero), rows in a shuffled order."""
+    from rollout.layers.sampler import Penalties
+
+    g = torch.Generator().manual_seed(seed)
+    hist = torch.zeros(n + 1, v, dtype=torch.int32)
+    for r in range(n):
+        hist[r, torch.randint(0, v, (v // 6,), generator=g)] |= 1  # in the prompt
+        hist[r].index_add_(0, torch.randint(0, v, (v // 3,), generator=g), torch.full((v // 3,), 2, dtype=torch.int32))
+    rows = torch.randperm(n, generator=g)
+
+    def col(x):
+        return torch.as_tensor(x if isinstance(x, list) else [x] * n, dtype=torch.float32)
+
+    return Penalties(hist, rows, col(rep), col(pres), col(freq))
+
+
+def check_penalties() -> None:
+    """Repetition / presence / frequency penalties: the kernel draws the reference's tokens, in every mode,
+    with filters and suppressed ids, greedy and sampled; rows without penalties are untouched."""
+    logits = _logits(8, 300, scale=2.0, seed=4)
+    logits[0, :5] = torch.tensor([5.0, -5.0, 0.0, 7.0, 7.0])
+    reps, pres, freqs = [1.3, 0.7, 1.0, 2.0] * 2, [0.0, 1.5, -1.0, 0.5] * 2, [0.5, 0.0, 2.0, -0.3] * 2
+    modes = ["policy", "processed", "raw", "policy"] * 2
+    st = make_st(8, temperature=[1.0, 0.0, 0.7, 1.2] * 2, mode=modes, needs_filter=False)
+    st.penalties = _penalties(8, 300, reps, pres, freqs)
+    check_same(logits, st)
+    st = make_st(8, top_p=[0.9, 0.5] * 4, top_k=[0, 7] * 4, mode=modes, suppress=[[3, -1]] * 8, seed0=9)
+    st.penalties = _penalties(8, 300, reps, pres, freqs, seed=1)
+    check_same(logits, st, **LARGE)
+    greedy = make_st(8, temperature=0.0, all_greedy=True, needs_filter=False)
+    greedy.penalties = _penalties(8, 300, 1.0, 0.0, 0.0)  # all off: the unpenalised tokens
+    check_same(logits, greedy)
+    assert torch.equal(sample_torch(logits, greedy)[0], logits.argmax(-1))
+    greedy.penalties = _penalties(8, 300, 5.0, 2.0, 2.0)
+    assert not torch.equal(sample_torch(logits, greedy)[0], logits.argmax(-1)), "penalties changed nothing"
+
+
 CHECKS = {
     "noise_bit_identical": check_noise_bit_identical,
     "sampled_modes": check_sampled_modes,
@@ -179,6 +217,7 @@ CHECKS = {
     "rejection_fallback": check_rejection_fallback,
     "tied_boundaries": check_tied_boundaries,
     "errors": check_errors,
+    "penalties": check_penalties,
 }
 
 

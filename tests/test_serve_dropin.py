@@ -25,9 +25,6 @@ from rollout.sampling_params import SamplingParams
 from tests.serve_helpers import Server, in_process_engine, vllm_unique_id_pickle
 
 openai = pytest.importorskip("openai")
-ENGINE = pytest.mark.xfail(strict=False, reason="needs engineparams branch (engine-side SamplingParams fields)")
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     cache = tmp_path_factory.mktemp("dropin-cache")
@@ -124,7 +121,6 @@ def test_echo_returns_the_prompt_text_first(env):
     assert only.choices[0].text == env.engine.tokenizer.decode(ids) and only.usage.completion_tokens == 0
 
 
-@ENGINE
 def test_logprobs_5_gives_5_alternatives_from_the_same_distribution(env):
     resp = env.client.completions.create(model=env.model, prompt=_prompt(), max_tokens=6, temperature=0, logprobs=5,
                                          extra_body={"return_tokens_as_token_ids": True})
@@ -138,7 +134,22 @@ def test_logprobs_5_gives_5_alternatives_from_the_same_distribution(env):
         assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
 
 
-@ENGINE
+def test_streamed_top_logprobs_equal_the_whole_answer(env):
+    """Streams carry the alternatives too (before: a 400, since the engine's deltas had none)."""
+    kw = dict(model=env.model, prompt=_prompt(seed=3), max_tokens=8, temperature=0, logprobs=4,
+              extra_body={"return_tokens_as_token_ids": True})
+    whole = env.client.completions.create(**kw).choices[0].logprobs
+    tops = [t for chunk in env.client.completions.create(stream=True, **kw) for c in chunk.choices
+            if c.logprobs is not None for t in c.logprobs.top_logprobs]
+    assert len(tops) == 8 and all(len(t) == 4 for t in tops)
+    assert [sorted(t) for t in tops] == [sorted(t) for t in whole.top_logprobs]
+    chat = dict(model=env.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
+                logprobs=True, top_logprobs=2)
+    entries = [e for chunk in env.client.chat.completions.create(stream=True, **chat) for c in chunk.choices
+               if c.logprobs is not None for e in c.logprobs.content]
+    assert len(entries) == 4 and all(len(e.top_logprobs) == 2 for e in entries)
+
+
 def test_prompt_logprobs_of_a_generation_give_back_its_logprobs(env):
     prompt = _prompt(8, seed=2)
     gen = env.client.completions.create(model=env.model, prompt=prompt, max_tokens=6, logprobs=0, seed=1,
@@ -153,7 +164,6 @@ def test_prompt_logprobs_of_a_generation_give_back_its_logprobs(env):
     assert torch.allclose(torch.tensor(got), torch.tensor(c.logprobs.token_logprobs), atol=1e-4)
 
 
-@ENGINE
 @pytest.mark.parametrize("extra", [{"repetition_penalty": 1.3}, {"presence_penalty": 0.5},
                                    {"frequency_penalty": 0.5}, {"skip_special_tokens": False},
                                    {"include_stop_str_in_output": True, "stop": ["a"]}, {"priority": 3}])
@@ -190,7 +200,6 @@ def test_generate_with_input_ids_equals_completions(env):
     assert sg["text"] == oa.choices[0].text and "cached_tokens" in meta and meta["input_token_logprobs"] == []
 
 
-@ENGINE
 def test_generate_input_logprobs_and_top_logprobs(env):
     prompt = _prompt(8, seed=6)
     code, sg = _post(env, "/generate", {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0,

@@ -80,7 +80,7 @@ class AsyncEngine:
         self.engine = engine
         self.stream_interval_s = float(stream_interval_s)
         self._cv = threading.Condition()
-        self._incoming: deque[tuple[Any, SamplingParams | None, str]] = deque()  # (prompt, params, id) to add
+        self._incoming: deque[tuple[Any, SamplingParams | None, str, int]] = deque()  # (prompt, params, id, priority)
         self._aborts: deque[str] = deque()
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
         self._waiters: dict[str, _Waiter] = {}
@@ -118,13 +118,13 @@ class AsyncEngine:
             self._stop_streamer(timeout)
 
     def submit(self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None,
-               on_partial: Callable[[RequestOutput], None] | None = None) -> Future:
+               on_partial: Callable[[RequestOutput], None] | None = None, priority: int = 0) -> Future:
         """Queue one request; its future gets the finished output, or the error that refused or failed it.
 
         ``on_partial`` is called (in the stream thread, one call at a time) with the tokens landed since its
         last call only (per sample: ids, logprobs, policy versions; no text), at most every
         ``stream_interval_s``; the future of such a request is settled after its last ``on_partial`` call.
-        Cancelling the future aborts the request.
+        Cancelling the future aborts the request. ``priority`` goes to ``add_request`` (lower is scheduled first).
         """
         rid = uuid.uuid4().hex if request_id is None else request_id
         fut: Future = Future()
@@ -137,7 +137,7 @@ class AsyncEngine:
             n = n if type(n) is int and n > 0 else 1
             self._waiters[rid] = waiter = _Waiter(fut, on_partial, n, [0] * n)
             self._num_seqs += waiter.num_seqs
-            self._incoming.append((prompt, params, rid))
+            self._incoming.append((prompt, params, rid, priority))
             self._cv.notify_all()
         fut.add_done_callback(lambda f: self.abort(rid) if f.cancelled() else None)
         return fut
@@ -240,12 +240,12 @@ class AsyncEngine:
             if self._runnable():
                 self._step()
 
-    def _add(self, incoming: deque[tuple[Any, SamplingParams | None, str]]) -> None:
-        for prompt, params, rid in incoming:
+    def _add(self, incoming: deque[tuple[Any, SamplingParams | None, str, int]]) -> None:
+        for prompt, params, rid, priority in incoming:
             if rid not in self._waiters:
                 continue  # aborted before it was added
             try:
-                self.engine.add_request(prompt, params, rid)
+                self.engine.add_request(prompt, params, rid, **({"priority": priority} if priority else {}))
             except Exception as e:  # noqa: BLE001 - the request's own fault: handed to its future
                 self._fail([rid], e)
 

@@ -102,6 +102,8 @@ class BlockManager:
         self._seq_root[seq.seq_id] = self._root
         bs = self.block_size
         num_full = (seq.num_known_tokens - 1) // bs if self.enable_prefix_caching else 0
+        if seq.prompt_lp_start >= 0:  # prompt logprobs need the logits from position prompt_lp_start - 1 on
+            num_full = min(num_full, max(0, seq.prompt_lp_start - 1) // bs)
         parent = self._root
         for i in range(num_full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])

@@ -24,17 +24,20 @@ from rollout.api import BackendLimits
 from rollout.config import EngineConfig
 from rollout.engine import loading
 from rollout.engine.block_manager import BlockManager
+from rollout.engine.detokenize import decode_output
 from rollout.engine.runners import build_runner
 from rollout.engine.runners.base import PendingStep, Runner
 from rollout.engine.runners.kv_cache import KVCache
 from rollout.engine.scheduler import Scheduler, SchedulerLimits
+from rollout.engine.scoring import prepare_score
 from rollout.engine.sequence import Request, Sequence
 from rollout.engine.stats import EngineStats, StepCounters
-from rollout.engine.stop import truncate_at_stop
 from rollout.engine.tp.runner import TPRunner, TPWeightSync, start_tensor_parallel
 from rollout.engine.tp.workers import TPWorkers
 from rollout.engine.validation import (
+    check_features,
     check_lengths,
+    check_priority,
     check_request_id,
     normalize_params,
     normalize_prompts,
@@ -115,23 +118,30 @@ class Engine:
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: object, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue one request for ``step()`` (online use); returns its id. Bad input raises, nothing queued."""
+                    request_id: str | None = None, priority: int = 0) -> str:
+        """Queue one request for ``step()`` (online use); returns its id. Bad input raises, nothing queued.
+
+        ``priority``: lower is scheduled first among waiting requests (FCFS among equals), vLLM's meaning."""
         params = normalize_params(sampling_params, 1)[0]
+        check_priority(priority)
         ids = self._prepare(prompt, params)
         with self._lock:
-            return self._enqueue(request_id, ids, params, prompt)
+            return self._enqueue(request_id, ids, params, prompt, priority)
 
     def _prepare(self, prompt: object, params: SamplingParams) -> list[int]:
         """Everything about one request that can be refused, checked before anything is queued."""
         ids = to_token_ids(prompt, self.tokenizer, self.model.vocab_size)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens :]
+        check_features(params, self.workers is not None)
         check_lengths(len(ids), params, self.max_model_len, self.kv.num_tokens, self.model.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {params.stop!r} need a tokenizer, and this engine has none; "
                              "use stop_token_ids, or load the model with a tokenizer")
         return ids
 
-    def _enqueue(self, request_id: str | None, ids: list[int], params: SamplingParams, prompt: object) -> str:
+    def _enqueue(self, request_id: str | None, ids: list[int], params: SamplingParams, prompt: object,
+                 priority: int = 0, score_only: bool = False, prompt_lp_start: int = 0) -> str:
         request_id = uuid.uuid4().hex if request_id is None else check_request_id(request_id)
         if request_id in self.scheduler.requests or request_id in self._claimed:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -141,10 +151,16 @@ class Engine:
         seqs: list[Sequence] = []
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, i, list(ids), len(ids), params, arrival,
-                           parent=seqs[0] if seqs else None, stop_ids=stop_ids)
+                           parent=seqs[0] if seqs else None, stop_ids=stop_ids, priority=priority)
             seq.sample_seed = (base_seed + 0x9E3779B97F4A7C15 * i) & ((1 << 63) - 1)
+            if i == 0 and params.prompt_logprobs is not None:
+                seq.prompt_lp_start, seq.score_only = prompt_lp_start, score_only
             seqs.append(seq)
-        self.scheduler.add(Request(request_id, ids, params, seqs, prompt if isinstance(prompt, str) else None))
+        request = Request(request_id, ids, params, seqs, prompt if isinstance(prompt, str) else None)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(ids)
+            request.prompt_top_logprobs = [[] for _ in ids]
+        self.scheduler.add(request)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -226,13 +242,16 @@ class Engine:
             known = seq.token_ids[seq.num_prompt_tokens + skip : seq.num_known_tokens]
             out = CompletionOutput(seq.index, known, seq.logprobs[skip:], seq.finish_reason,
                                    None, seq.policy_versions[skip:], seq.stop_reason)
+            if seq.params.logprobs is not None:
+                out.top_logprobs = seq.top_logprobs[skip : skip + len(known)]
             if self.tokenizer is not None and since is None:
-                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-                if isinstance(seq.stop_reason, str):
-                    out.text = truncate_at_stop(out.text, seq.stop_reason)
+                out.text = decode_output(self.tokenizer, out.token_ids, seq.params, seq.stop_reason)
             outs.append(out)
+        plp, ptop = request.prompt_logprobs, request.prompt_top_logprobs  # copies: a running request's still fill
         cached = min(max(0, request.seqs[0].num_first_cached_tokens), len(request.prompt_token_ids))
-        return RequestOutput(request.request_id, request.prompt_token_ids, outs, request.prompt, finished, cached)
+        return RequestOutput(request.request_id, request.prompt_token_ids, outs, request.prompt, finished,
+                             None if plp is None else list(plp), None if ptop is None else list(ptop),
+                             num_cached_tokens=cached)
 
     def generate(self, prompts: object, sampling_params: object = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Run the prompts to completion; outputs in prompt order. Safe to call from several threads
@@ -254,11 +273,43 @@ class Engine:
                 raise RuntimeError("the engine is asleep (sleep() was called); call wake_up() before generate()")
             rids = [self._enqueue(None, x, p, prompt) for x, p, prompt in zip(ids, params, prompts)]
             self._claimed.update((r, None) for r in rids)
+        return self._wait(rids, use_tqdm, "generate")
+
+    def score(self, sequences: object, logprob_start_len: int = 0, top_logprobs: int = 0,
+              sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Teacher-forced logprobs of token sequences, batched through the engine's own prefill and kernels.
+
+        Returns one ``RequestOutput`` per sequence (in order, no completions): ``prompt_logprobs[i]`` is token
+        i's logprob given the tokens before it (None for token 0 and before ``logprob_start_len``), and
+        ``prompt_top_logprobs[i]`` its ``top_logprobs`` most likely alternatives. The distribution is the one
+        generation scores its tokens with: ``sampling_params``' temperature (0: greedy, T = 1),
+        ``logprobs_mode`` and filters (default T = 1, ``policy``), so scoring prompt + completion of a
+        generation gives back that generation's logprobs. Cached prefix blocks are reused up to
+        ``logprob_start_len`` (tokens before it need no logits), and the scored blocks are cached in turn.
+        """
+        ids, params = prepare_score(sequences, logprob_start_len, top_logprobs, sampling_params, self.tokenizer,
+                                    self.model.vocab_size, self.max_model_len, self.kv.num_tokens,
+                                    self.workers is not None)
+        if not ids:
+            return []
+        with self._lock:
+            if not self.kv.allocated:
+                raise RuntimeError("the engine is asleep (sleep() was called); call wake_up() before score()")
+            rids = [self._enqueue(None, x, params, None, score_only=True, prompt_lp_start=logprob_start_len)
+                    for x in ids]
+            self._claimed.update((r, None) for r in rids)
+        outs = self._wait(rids, use_tqdm, "score")
+        for out in outs:
+            out.outputs = []
+        return outs
+
+    def _wait(self, rids: list[str], use_tqdm: bool, desc: str) -> list[RequestOutput]:
+        """Step until every claimed request is done; on an error abort the rest (the engine stays consistent)."""
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(rids), desc="generate", unit="req")
+            bar = tqdm(total=len(rids), desc=desc, unit="req")
         try:
             while True:
                 with self._lock:

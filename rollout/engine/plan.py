@@ -29,6 +29,16 @@ class SeqPlan:
     sample_pos: int = 0  # index of the output token being sampled: with ``seed``, fixes the random draw
     logprobs_mode: str = "policy"
     suppress_ids: tuple[int, ...] = ()  # token ids masked out of sampling (EOS before min_tokens)
+    num_top_logprobs: int = 0  # also return this many most likely tokens of the sampled distribution
+    penalties: tuple[float, float, float] | None = None  # (repetition, presence, frequency); None = off
+    # The sequence's tokens (shared, not copied; trailing PLACEHOLDERs are in flight) and its prompt length:
+    # a runner builds its device-side token counts from them when it first sees the sequence.
+    history: list[int] | None = None
+    num_prompt_tokens: int = 0
+    # Prompt logprobs: the logits at positions prompt_first .. + len(prompt_targets) - 1 score these tokens.
+    prompt_targets: list[int] | None = None
+    prompt_first: int = 0
+    prompt_top: int = 0  # alternatives per prompt token
 
     @property
     def seq_len(self) -> int:
@@ -46,6 +56,8 @@ class BatchPlan:
     # saves a preempted sequence's KV; (host_block, gpu_block) restores a resumed one.
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    has_prompt_logprobs: bool = False  # some SeqPlan has prompt_targets
+    score_done: list[int] = field(default_factory=list)  # score-only sequences this step completes
 
     @property
     def decode_only(self) -> bool:
@@ -68,3 +80,7 @@ class SampleResult:
     step_id: int
     token_ids: list[int]
     logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per row, its SeqPlan.num_top_logprobs pairs
+    # (seq_id, position of the first scored token, logprobs, alternatives per token or None)
+    prompt_logprobs: list[tuple[int, int, list[float], list[list[tuple[int, float]]] | None]] = field(
+        default_factory=list)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rollout.engine.block_manager import BlockManager
+from rollout.engine.extras import add_prompt_targets, add_sample_extras, apply_prompt_logprobs
 from rollout.engine.plan import BatchPlan, SampleResult, SeqPlan
 from rollout.engine.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus
 from rollout.engine.stop import check_stop
@@ -49,8 +50,8 @@ class Scheduler:
         self.limits = limits
         self.block_manager = block_manager
         self.detokenize = detokenize
-        self.waiting: list[Sequence] = []  # sorted by (arrival, seq_id)
-        self.running: list[Sequence] = []  # sorted by (arrival, seq_id)
+        self.waiting: list[Sequence] = []  # sorted by (priority, arrival, seq_id)
+        self.running: list[Sequence] = []  # sorted by (priority, arrival, seq_id)
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}
         self.num_preemptions = 0
@@ -226,12 +227,16 @@ class Scheduler:
     ) -> BatchPlan:
         plans: list[SeqPlan] = []
         num_prompt = 0
+        has_prompt_lp, score_done = False, []
         for seq, n in chosen:
             start = seq.num_computed_tokens
             inputs = seq.token_ids[start : start + n]
             carry = inputs[-1] == PLACEHOLDER
             assert n == 1 or PLACEHOLDER not in inputs[:-1], "only the newest token can be in flight"
             sample = start + n == seq.num_tokens
+            if seq.score_only and sample:
+                sample = False
+                score_done.append(seq.seq_id)
             num_prompt += max(0, min(start + n, seq.num_prompt_tokens) - start)
             p = seq.params
             # The table is shared, not copied: runners read it before the next schedule() changes it.
@@ -239,14 +244,20 @@ class Scheduler:
                 plan = SeqPlan(seq.seq_id, inputs, start, seq.block_table, True, carry, p.temperature,
                                p.effective_top_k, p.top_p, p.min_p, seq.sample_seed, seq.num_output_tokens,
                                p.logprobs_mode, seq.stop_ids if seq.num_output_tokens < p.min_tokens else ())
+                if p.logprobs is not None or p.has_penalties:
+                    add_sample_extras(plan, seq)
                 seq.token_ids.append(PLACEHOLDER)
                 seq.num_inflight += 1
             else:
                 plan = SeqPlan(seq.seq_id, inputs, start, seq.block_table, False, carry)
+            if seq.prompt_lp_start >= 0 and start < seq.num_prompt_tokens - 1:
+                has_prompt_lp = add_prompt_targets(plan, seq, start, n) or has_prompt_lp
             seq.num_computed_tokens = start + n
             plans.append(plan)
         self._step_id += 1
-        return BatchPlan(self._step_id, plans, copies, policy_version, num_prompt)
+        batch = BatchPlan(self._step_id, plans, copies, policy_version, num_prompt)
+        batch.has_prompt_logprobs, batch.score_done = has_prompt_lp, score_done
+        return batch
 
     def update_from_output(self, plan: BatchPlan, result: SampleResult) -> list[Request]:
         """Apply a step's samples: fill placeholders, tag each token with the plan's weights version,
@@ -256,7 +267,10 @@ class Scheduler:
         """
         assert result.step_id == plan.step_id, (result.step_id, plan.step_id)
         finished: list[Request] = []
-        for sp, tok, lp in zip(plan.sample_seqs, result.token_ids, result.logprobs, strict=True):
+        if result.prompt_logprobs:
+            apply_prompt_logprobs(self.requests, self.seqs, result)
+        tops = result.top_logprobs or [None] * len(result.token_ids)
+        for sp, tok, lp, top in zip(plan.sample_seqs, result.token_ids, result.logprobs, tops, strict=True):
             seq = self.seqs.get(sp.seq_id)
             if seq is None or seq.num_inflight == 0:
                 continue
@@ -265,6 +279,8 @@ class Scheduler:
             seq.token_ids[idx] = tok
             seq.num_inflight -= 1
             seq.logprobs.append(lp)
+            if seq.params.logprobs is not None:
+                seq.top_logprobs.append(top if top is not None else [])
             seq.policy_versions.append(plan.policy_version)
             self.num_generated_tokens += 1
             if seq.index == 0 and len(seq.logprobs) == 1:  # the request's first token
@@ -274,6 +290,15 @@ class Scheduler:
             stop = check_stop(seq, self.detokenize)
             if stop is not None:
                 self.finish(seq, *stop)
+                request = self._pop_finished(seq.request_id)
+                if request is not None:
+                    finished.append(request)
+        for seq_id in plan.score_done:  # Engine.score: the prompt is computed, its logprobs are in
+            seq = self.seqs.get(seq_id)
+            if seq is not None:
+                self.num_started_prompt_tokens += seq.num_prompt_tokens
+                self.num_prefix_cached_tokens += min(seq.num_cached_tokens, seq.num_prompt_tokens)
+                self.finish(seq, "length")
                 request = self._pop_finished(seq.request_id)
                 if request is not None:
                     finished.append(request)
@@ -336,7 +361,7 @@ class Scheduler:
 
     @staticmethod
     def _insert(queue: list[Sequence], seq: Sequence) -> None:
-        """Keep ``queue`` sorted by (arrival, seq_id): O(1) for a newcomer (the usual case), else O(log n)."""
+        """Keep ``queue`` sorted by (priority, arrival, seq_id): O(1) for a newcomer (the usual case), else O(log n)."""
         key = _order(seq)
         if not queue or _order(queue[-1]) < key:
             queue.append(seq)
@@ -361,5 +386,5 @@ class Scheduler:
         return len(self.waiting)
 
 
-def _order(seq: Sequence) -> tuple[int, int]:
-    return seq.arrival, seq.seq_id
+def _order(seq: Sequence) -> tuple[int, int, int]:
+    return seq.priority, seq.arrival, seq.seq_id

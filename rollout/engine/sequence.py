@@ -49,6 +49,10 @@ class Sequence:
     parent: Sequence | None = None  # sample 0 of the request, whose prompt blocks a sibling forks
     sample_seed: int = 0  # with the output position, fixes every random draw of this sequence
     stop_ids: tuple[int, ...] = ()  # EOS and stop_token_ids: masked before min_tokens, stop after
+    priority: int = 0  # lower is scheduled first within the queues; FCFS (arrival) among equals
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when params.logprobs
+    prompt_lp_start: int = -1  # first prompt token whose logprob is wanted (-1: none); caps prefix-cache hits
+    score_only: bool = False  # Engine.score: finish once the prompt is computed, sample nothing
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +89,9 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     prompt: str | None = None
+    # params.prompt_logprobs / Engine.score: per prompt position (first None), filled as prefill computes them
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def finished(self) -> bool:

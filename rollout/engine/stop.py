@@ -42,6 +42,9 @@ def find_stop_string(output_ids: list[int], stops: list[str], detokenize: Callab
     return None
 
 
-def truncate_at_stop(text: str, stop: str) -> str:
-    idx = text.find(stop)
-    return text if idx < 0 else text[:idx]
+def truncate_at_stop(text: str, stop: str, keep: bool = False) -> str:
+    """The text up to the stop string (``keep``: up to and including it: ``include_stop_str_in_output``).
+
+    The last occurrence is the one that stopped it (an earlier one came before ``min_tokens``)."""
+    idx = text.rfind(stop)
+    return text if idx < 0 else text[: idx + len(stop) if keep else idx]

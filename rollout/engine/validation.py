@@ -84,3 +84,27 @@ def check_lengths(num_prompt: int, params: SamplingParams, max_model_len: int, m
             f"prompt + max_tokens = {total} tokens cannot fit the KV cache ({max_kv_tokens} tokens); "
             "raise num_blocks or lower max_tokens"
         )
+
+
+def check_priority(priority: object) -> int:
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise TypeError(f"priority must be an int (lower is scheduled first), got {priority!r}")
+    if not -(1 << 63) <= priority < (1 << 63):
+        raise ValueError(f"priority={priority} is out of range; allowed: an int in [-2**63, 2**63)")
+    return priority
+
+
+def check_features(params: SamplingParams, tensor_parallel: bool) -> None:
+    """What this engine cannot do for a request, refused before it is queued (naming the field)."""
+    if tensor_parallel:
+        for name, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+            if getattr(params, name) != off:
+                raise ValueError(f"{name}={getattr(params, name)} is not supported with tensor_parallel_size > 1; "
+                                 f"allowed: {off} (off)")
+        if params.logprobs:
+            raise ValueError(f"logprobs={params.logprobs} is not supported with tensor_parallel_size > 1; "
+                             "allowed: None or 0 (the sampled token's logprob always comes back)")
+        if params.prompt_logprobs is not None:
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} (and scoring) is not supported with "
+                             "tensor_parallel_size > 1; allowed: None")
+

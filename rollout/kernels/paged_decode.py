@@ -31,11 +31,17 @@ import triton.language as tl
 
 from rollout.kernels.paged_common import (  # noqa: F401 - re-exported for callers of the old home
     LOG2E,
+    KVPair,
     check_paged_inputs,
     check_window,
     dot_precision,
     is_fp8,
-    scale_args,
+    kv_args,
+    kv_shape,
+    load_v_tile,
+    scale_offsets,
+    to_dot16,
+    v_operand,
 )
 
 # Resident decode programs per SM on the H200 (bf16, head_dim 128, 4 warps, 2 stages), as inferred
@@ -46,6 +52,7 @@ MIN_CHUNK_TILES = 2  # below ~128 keys a chunk's partial write and merge cost mo
 MAX_SPLITS = 128  # old fixed-split heuristic's cap (bench A/B only)
 SCAN = 256  # sequences per step of the in-kernel prefix sum
 S_BLOCK = 16  # partials merged per step of the reduce loop
+FP8_DECODE_MAXNREG = 168  # registers per thread of the fp8 decode kernel: three programs per SM (decode_config)
 
 
 @triton.jit
@@ -58,17 +65,102 @@ def _tile_range(seq_len, window, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr
 
 
 @triton.jit
+def _tile_scales(t, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss, stride_sh, offs_n,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
+                 SCALE_CONTIG: tl.constexpr):  # fmt: skip
+    """fp8: key tile ``t``'s per-token K and V scales ([BLOCK_N] fp32; 0 past ``seq_len``), loaded a
+    tile ahead by the caller (Triton pipelines the K/V copies, not these small loads, and the scores
+    need them right after the first dot). Non-fp8: dummies."""
+    if KV_FP8:
+        pos = t * BLOCK_N + offs_n
+        ok = pos < seq_len
+        blk = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
+        s_off = scale_offsets(blk, pos % PAGE, kvh, stride_sb, stride_ss, stride_sh, PAGE, SCALE_CONTIG)
+        k_sc = tl.load(ks_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
+        v_sc = tl.load(vs_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
+    else:
+        k_sc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        v_sc = k_sc
+    return k_sc, v_sc
+
+
+@triton.jit
+def _decode_tile(
+    q, m_i, l_i, acc, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, V_TRANS: tl.constexpr,
+    DOT_PREC: tl.constexpr, TAIL: tl.constexpr,
+):  # fmt: skip
+    """One key tile of online softmax for the [G, D] queries of one kv head: (m_i, l_i, acc) updated.
+    fp8: K and V widen in registers where the dots consume them; the per-token scales (``k_sc``,
+    ``v_sc``, from ``_tile_scales``) scale the score columns (K) and P's columns (V)."""
+    pos = t * BLOCK_N + offs_n
+    ok = (pos < seq_len) & (pos >= start)
+    blk = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
+    slot = pos % PAGE
+    off = blk * stride_kb + slot * stride_ks + kvh * stride_kh
+    k = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if KV_FP8:  # per-key scale: scaling the score columns is the same as scaling K's rows
+        s = s * (k_sc * qk_scale)[None, :]
+    else:
+        s = s * qk_scale  # log2 domain
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = load_v_tile(v_ptr, blk, slot, pos, seq_len, kvh, ok, offs_d, stride_vb, stride_vs, stride_vh, stride_vd,
+                    PAGE, V_TRANS, TAIL)  # fmt: skip
+    v = v_operand(v.to(q.dtype), ok, V_TRANS, TAIL)
+    if KV_FP8:  # per-value scale on P's columns, relative to the tile's largest (fp16 keeps its range)
+        v_top = tl.maximum(tl.max(v_sc, 0), 1.0e-30)
+        pv = (p * (v_sc * (1.0 / v_top))[None, :]).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC) * v_top
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _merge_chunks(part_o_ptr, part_lse_ptr, out_ptr, first, n, b, heads, g_ok, offs_d, num_heads, stride_ot,
+                  stride_oh, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr):  # fmt: skip
+    """Merge chunks [first, first + n)'s (out, lse) partials of one kv head's query heads into ``out``;
+    the partials come from other programs, read through L2 (``.cg``: an SM's L1 is not coherent)."""
+    m = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([G_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
+    for c in range(first, first + n):
+        row = (c * num_heads + heads).to(tl.int64)
+        lse = tl.load(part_lse_ptr + row, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=g_ok[:, None], other=0.0,
+                    cache_modifier=".cg")  # fmt: skip
+        m_new = tl.maximum(m, lse)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: weights exp2(-inf) = 0
+        alpha = tl.exp2(m - m_ref)
+        w = tl.exp2(lse - m_ref)
+        acc = acc * alpha[:, None] + o * w[:, None]
+        den = den * alpha + w
+        m = m_new
+    res = acc / tl.where(den > 0.0, den, 1.0)[:, None]
+    o_ptrs = out_ptr + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, seq_info_ptr,
-    qk_scale, window, batch, split_target, min_chunk,
+    counter_ptr, qk_scale, window, batch, split_target, min_chunk,
     stride_qt, stride_qh,
-    stride_cb, stride_cs, stride_ch,
-    stride_sb, stride_ss,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_sb, stride_ss, stride_sh,
     stride_bt,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, FIXED_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
-    DOT_PREC: tl.constexpr, SCAN_N: tl.constexpr,
+    V_TRANS: tl.constexpr, SCALE_CONTIG: tl.constexpr, DOT16: tl.constexpr, DOT_PREC: tl.constexpr,
+    SCAN_N: tl.constexpr, FUSED_MERGE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -122,36 +214,29 @@ def _decode_split_kernel(
     q = tl.load(
         q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=g_ok[:, None], other=0.0
     )
+    q = to_dot16(q, DOT16)  # fp8 K/V: the products run in fp16 (one conversion instruction per 2 values)
     m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile cannot make NaNs
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    for t in range(t0, t1):
-        pos = t * BLOCK_N + offs_n
-        ok = (pos < seq_len) & (pos >= start)
-        blk = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
-        off = blk * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch
-        k = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        if KV_FP8:  # per-key scale: scaling the score columns is the same as scaling K's rows
-            s_off = blk * stride_sb + (pos % PAGE) * stride_ss + kvh
-            k_sc = tl.load(ks_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
-            s = s * (k_sc * qk_scale)[None, :]
-        else:
-            s = s * qk_scale  # log2 domain
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-        if KV_FP8:
-            v_sc = tl.load(vs_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
-            pv = (p * v_sc[None, :]).to(q.dtype)
-        else:
-            pv = p.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
-        m_i = m_new
+    full = tl.minimum(t1, tl.maximum(seq_len // BLOCK_N, t0))  # tiles [t0, full) end within the sequence
+    k_sc, v_sc = _tile_scales(t0, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss, stride_sh, offs_n,
+                              PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
+    for t in range(t0, full):
+        k_next, v_next = _tile_scales(t + 1, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss, stride_sh,
+                                      offs_n, PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
+        m_i, l_i, acc = _decode_tile(
+            q, m_i, l_i, acc, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
+            PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, False,
+        )  # fmt: skip
+        k_sc, v_sc = k_next, v_next
+    for t in range(full, t1):  # at most one: the tile holding the sequence's end
+        m_i, l_i, acc = _decode_tile(
+            q, m_i, l_i, acc, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
+            PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, True,
+        )  # fmt: skip
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -163,6 +248,14 @@ def _decode_split_kernel(
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_ok[:, None])
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=g_ok)
+        if FUSED_MERGE:  # the last of the sequence's chunks (per kv head) merges them: no second kernel
+            tl.debug_barrier()  # every thread's partials stored before the release below
+            count = counter_ptr + b * tl.num_programs(1) + kvh
+            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n - 1:
+                tl.debug_barrier()
+                tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # zero again for the next call
+                _merge_chunks(part_o_ptr, part_lse_ptr, out_ptr, first, n, b, heads, g_ok, offs_d,
+                              GROUP * tl.num_programs(1), stride_ot, stride_oh, HEAD_DIM, G_PAD)  # fmt: skip
     if (j == 0) & (kvh == 0):  # where the merge finds this sequence's chunks
         tl.store(seq_info_ptr + 2 * b, first)
         tl.store(seq_info_ptr + 2 * b + 1, n)
@@ -223,19 +316,21 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_tiles: int, sms: int) -
     return max(1, min(slots // max(1, batch * num_kv_heads), MAX_SPLITS, max_tiles))
 
 
-def decode_config(page: int, head_dim: int, kv_dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages). A key tile of about 16 KiB per operand: 64 bf16 tokens at
-    D = 128 (the H200 sweep's best of the previous kernel), twice the tokens for fp8; never less
-    than a page. bench/kernels_bench.py --sweep-decode re-times alternatives."""
+def decode_config(page: int, head_dim: int, kv_dtype: torch.dtype) -> tuple[int, int, int, int | None]:
+    """(BLOCK_N, num_warps, num_stages, maxnreg or None). A key tile of about 16 KiB per operand: 64
+    bf16 tokens at D = 128 (the H200 sweep's best of the previous kernel), twice the tokens for fp8;
+    never less than a page. fp8's registers are capped at 168 (ptxas picks 174 for the sm_90 build:
+    two programs per SM; at 168, three fit in registers and in shared memory, 3 x 72 KiB, for six
+    spilled loads per tile). bench/kernels_bench.py --sweep-decode re-times alternatives."""
     tokens = 64 if head_dim <= 128 else 32
     if is_fp8(kv_dtype):
-        tokens *= 2
-    return max(page, tokens, 16), 4, 2
+        return max(page, 2 * tokens, 16), 4, 2, FP8_DECODE_MAXNREG
+    return max(page, tokens, 16), 4, 2, None
 
 
 def paged_decode_attention(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: torch.Tensor | KVPair,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
@@ -245,18 +340,22 @@ def paged_decode_attention(
     kv_scales: torch.Tensor | None = None,
     split_target: int | None = None,
     min_chunk: int = MIN_CHUNK_TILES,
+    fused_merge: bool = False,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (q: [B, Hq, D]) over its ``seq_lens[i]`` cached tokens.
 
-    The new token's K/V must already be in the cache. A sequence with ``seq_len == 0`` (CUDA-graph
-    padding) gets zeros. ``kv_scales`` goes with an fp8 cache. ``num_splits`` forces every sequence
+    ``kv_cache``: [2, num_blocks, block_size, Hkv, D], or an fp8 ``KVPair`` of value views (V
+    token-contiguous) with its ``kv_scales``. The new token's K/V must already be in the cache. A
+    sequence with ``seq_len == 0`` (CUDA-graph padding) gets zeros. ``num_splits`` forces every sequence
     into that many chunks (the old scheme; A/B and tests); ``split_target``/``min_chunk`` tune the
-    balanced partition. Returns ``out`` ([B, Hq, D], q's dtype).
+    balanced partition. ``fused_merge``: the last chunk of a split sequence merges the partials (one
+    atomic counter per sequence and kv head) instead of a second kernel (opt-in until timed on the
+    H200: bench/kernels_bench.py --compare-legacy). Returns ``out`` ([B, Hq, D], q's dtype).
     """
     check_paged_inputs(q, kv_cache, block_tables, kv_scales)
     window = check_window(sliding_window)
     batch, hq, d = q.shape
-    _, _, page, hkv, _ = kv_cache.shape
+    page, hkv, _ = kv_shape(kv_cache)
     if seq_lens.shape != (batch,) or block_tables.shape[0] != batch:
         raise ValueError(
             f"decode needs one query per sequence: q has {batch} rows, seq_lens {tuple(seq_lens.shape)}, "
@@ -274,25 +373,28 @@ def paged_decode_attention(
     if split_target < 1 or min_chunk < 1:
         raise ValueError(f"split_target and min_chunk must be >= 1; got {split_target}, {min_chunk}")
     group = hq // hkv
-    block_n, warps, stages = decode_config(page, d, kv_cache.dtype)
+    ptrs, strides, consts = kv_args(kv_cache, kv_scales, q)
+    block_n, warps, stages, *maxnreg = decode_config(page, d, ptrs[0].dtype)
+    launch = dict(num_warps=warps, num_stages=stages)
+    if maxnreg and maxnreg[0]:
+        launch["maxnreg"] = maxnreg[0]
     programs = batch * num_splits if num_splits else batch + split_target
     part_o = torch.empty((programs, hq, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((programs, hq), dtype=torch.float32, device=q.device)
     seq_info = torch.empty((batch, 2), dtype=torch.int32, device=q.device)
+    counters = torch.zeros((batch, hkv) if fused_merge else (1,), dtype=torch.int32, device=q.device)
     _decode_split_kernel[(programs, hkv)](
-        q, kv_cache[0], kv_cache[1], *scale_args(kv_cache, kv_scales)[:2], block_tables, seq_lens, out,
-        part_o, part_lse, seq_info,
+        q, *ptrs, block_tables, seq_lens, out, part_o, part_lse, seq_info, counters,
         scale * LOG2E, window, batch, split_target, min_chunk,
         q.stride(0), q.stride(1),
-        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        *scale_args(kv_cache, kv_scales)[2:],
+        *strides,
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, PAGE=page,
-        BLOCK_N=block_n, FIXED_SPLITS=num_splits or 0, USE_WINDOW=window > 0, KV_FP8=is_fp8(kv_cache.dtype),
-        DOT_PREC=dot_precision(q), SCAN_N=SCAN, num_warps=warps, num_stages=stages,
+        BLOCK_N=block_n, FIXED_SPLITS=num_splits or 0, USE_WINDOW=window > 0, **consts,
+        DOT_PREC=dot_precision(q), SCAN_N=SCAN, FUSED_MERGE=fused_merge, **launch,
     )  # fmt: skip
-    if num_splits != 1:
+    if num_splits != 1 and not fused_merge:
         _decode_reduce_kernel[(batch, hq)](
             part_o, part_lse, seq_info, out, hq, out.stride(0), out.stride(1),
             HEAD_DIM=d, S_BLOCK_N=S_BLOCK, num_warps=4,

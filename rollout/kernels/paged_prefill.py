@@ -13,7 +13,62 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.kernels.paged_common import LOG2E, check_paged_inputs, check_window, dot_precision, is_fp8, scale_args
+from rollout.kernels.paged_common import (
+    LOG2E,
+    KVPair,
+    check_paged_inputs,
+    check_window,
+    dot_precision,
+    kv_args,
+    kv_shape,
+    load_v_tile,
+    scale_offsets,
+    to_dot16,
+    v_operand,
+)
+
+
+@triton.jit
+def _prefill_tile(
+    q, m_i, l_i, acc, start_n, hi, seq_len, q_pos, window, bt_row, kvh, qk_scale, k_ptr, v_ptr, ks_ptr, vs_ptr,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_sb, stride_ss, stride_sh, offs_n, offs_d,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
+    V_TRANS: tl.constexpr, SCALE_CONTIG: tl.constexpr, DOT_PREC: tl.constexpr, TAIL: tl.constexpr,
+):  # fmt: skip
+    """One key tile of online softmax for a [BLOCK_M, D] query block (see paged_decode's ``_decode_tile``
+    for the fp8 path and ``TAIL``)."""
+    pos = start_n + offs_n
+    kv_ok = pos < hi
+    blk = tl.load(bt_row + pos // PAGE, mask=kv_ok, other=0).to(tl.int64)
+    slot = pos % PAGE
+    off = blk * stride_kb + slot * stride_ks + kvh * stride_kh
+    k = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=kv_ok[:, None], other=0.0).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if KV_FP8:  # per-key scales on the score columns, per-value scales on P's columns
+        s_off = scale_offsets(blk, slot, kvh, stride_sb, stride_ss, stride_sh, PAGE, SCALE_CONTIG)
+        s = s * (tl.load(ks_ptr + s_off, mask=kv_ok, other=0.0).to(tl.float32) * qk_scale)[None, :]
+        v_sc = tl.load(vs_ptr + s_off, mask=kv_ok, other=0.0).to(tl.float32)
+    else:
+        s = s * qk_scale  # log2 domain
+    visible = kv_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+    if USE_WINDOW:
+        visible = visible & (pos[None, :] > q_pos[:, None] - window)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = load_v_tile(v_ptr, blk, slot, pos, seq_len, kvh, kv_ok, offs_d, stride_vb, stride_vs, stride_vh,
+                    stride_vd, PAGE, V_TRANS, TAIL)  # fmt: skip
+    v = v_operand(v.to(q.dtype), kv_ok, V_TRANS, TAIL)
+    if KV_FP8:  # relative to the tile's largest V scale (fp16 keeps its range; see paged_decode)
+        v_top = tl.maximum(tl.max(v_sc, 0), 1.0e-30)
+        pv = (p * (v_sc * (1.0 / v_top))[None, :]).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC) * v_top
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -21,13 +76,14 @@ def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
     qk_scale, window,
     stride_qt, stride_qh,
-    stride_cb, stride_cs, stride_ch,
-    stride_sb, stride_ss,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_sb, stride_ss, stride_sh,
     stride_bt,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    V_TRANS: tl.constexpr, SCALE_CONTIG: tl.constexpr, DOT16: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     mb = tl.program_id(0)
     h = tl.program_id(1)
@@ -46,7 +102,7 @@ def _prefill_kernel(
     row_ok = offs_m < q_len
     q_pos = prefix + offs_m
     q_ptrs = q_ptr + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    q = to_dot16(tl.load(q_ptrs, mask=row_ok[:, None], other=0.0), DOT16)  # fp8 K/V: fp16 products
 
     # Keys this block can see: causal upper bound of its last row; window lower bound of its first.
     hi = tl.minimum(seq_len, prefix + (mb + 1) * BLOCK_M)
@@ -58,31 +114,23 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     bt_row = bt_ptr + b * stride_bt
-    for start_n in range(lo, hi, BLOCK_N):
-        pos = start_n + offs_n
-        kv_ok = pos < hi
-        blk = tl.load(bt_row + pos // PAGE, mask=kv_ok, other=0).to(tl.int64)
-        off = blk * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch
-        k = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=kv_ok[:, None], other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        if KV_FP8:  # per-key scales (see paged_decode)
-            s_off = blk * stride_sb + (pos % PAGE) * stride_ss + kvh
-            s = s * (tl.load(ks_ptr + s_off, mask=kv_ok, other=0.0).to(tl.float32) * qk_scale)[None, :]
-        else:
-            s = s * qk_scale  # log2 domain
-        visible = kv_ok[None, :] & (pos[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            visible = visible & (pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + off[:, None] + offs_d[None, :], mask=kv_ok[:, None], other=0.0).to(q.dtype)
-        if KV_FP8:
-            p = p * tl.load(vs_ptr + s_off, mask=kv_ok, other=0.0).to(tl.float32)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+    full_end = (seq_len // BLOCK_N) * BLOCK_N  # tiles starting below it end within the sequence
+    for start_n in range(lo, tl.minimum(hi, full_end), BLOCK_N):
+        m_i, l_i, acc = _prefill_tile(
+            q, m_i, l_i, acc, start_n, hi, seq_len, q_pos, window, bt_row, kvh, qk_scale, k_ptr, v_ptr, ks_ptr,
+            vs_ptr,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
+            stride_sb, stride_ss, stride_sh, offs_n, offs_d,
+            PAGE, BLOCK_N, USE_WINDOW, KV_FP8, V_TRANS, SCALE_CONTIG, DOT_PREC, False,
+        )  # fmt: skip
+    for start_n in range(tl.maximum(lo, full_end), hi, BLOCK_N):  # at most one: it holds the sequence's end
+        m_i, l_i, acc = _prefill_tile(
+            q, m_i, l_i, acc, start_n, hi, seq_len, q_pos, window, bt_row, kvh, qk_scale, k_ptr, v_ptr, ks_ptr,
+            vs_ptr,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
+            stride_sb, stride_ss, stride_sh, offs_n, offs_d,
+            PAGE, BLOCK_N, USE_WINDOW, KV_FP8, V_TRANS, SCALE_CONTIG, DOT_PREC, True,
+        )  # fmt: skip
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_ptrs = out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
@@ -99,7 +147,7 @@ def prefill_blocks(head_dim: int, page: int) -> tuple[int, int, int, int]:
 
 def paged_prefill_attention(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: torch.Tensor | KVPair,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
@@ -120,7 +168,7 @@ def paged_prefill_attention(
     check_paged_inputs(q, kv_cache, block_tables, kv_scales)
     window = check_window(sliding_window)
     num_tokens, hq, d = q.shape
-    _, _, page, hkv, _ = kv_cache.shape
+    page, hkv, _ = kv_shape(kv_cache)
     batch = seq_lens.shape[0]
     if query_start_loc.shape != (batch + 1,) or block_tables.shape[0] != batch:
         raise ValueError(
@@ -139,18 +187,17 @@ def paged_prefill_attention(
     for name, val in (("block_m", bm), ("block_n", bn)):
         if val < 16 or val & (val - 1):
             raise ValueError(f"{name} must be a power of two >= 16; got {val}")
+    ptrs, strides, consts = kv_args(kv_cache, kv_scales, q)
     grid = (triton.cdiv(max_query_len, bm), hq, batch)
     _prefill_kernel[grid](
-        q, kv_cache[0], kv_cache[1], *scale_args(kv_cache, kv_scales)[:2], block_tables, query_start_loc,
-        seq_lens, out,
+        q, *ptrs, block_tables, query_start_loc, seq_lens, out,
         scale * LOG2E, window,
         q.stride(0), q.stride(1),
-        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        *scale_args(kv_cache, kv_scales)[2:],
+        *strides,
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, PAGE=page, BLOCK_M=bm, BLOCK_N=bn, USE_WINDOW=window > 0,
-        KV_FP8=is_fp8(kv_cache.dtype), DOT_PREC=dot_precision(q),
+        **consts, DOT_PREC=dot_precision(q),
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -33,10 +33,29 @@ from rollout.kernels.sampling_math import log32, log_exp_noise, ofloat, okey, ro
 
 
 @triton.jit
-def _load_s(row_ptr, offs, V, inv, sup_row, NSUP: tl.constexpr):
+def _penalize(x, hist_row, offs, mask, rep, pres, freq, PEN: tl.constexpr):
+    """The penalties on float32 logits x, op for op as ``sampler.apply_penalties``."""
+    if PEN:
+        hv = tl.load(hist_row + offs, mask=mask, other=0)
+        x = tl.where(hv > 0, tl.where(x > 0, tl.math.div_rn(x, rep), x * rep), x)
+        cnt = (hv >> 1).to(tl.float32)
+        x = x - freq * cnt
+        x = x - pres * (cnt > 0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _load_one(row_ptr, i, inv, hist_row, rep, pres, freq, PEN: tl.constexpr):
+    """(x, s) of one token: its raw logit and its penalised, scaled one."""
+    x = tl.load(row_ptr + i).to(tl.float32)
+    return x, _penalize(x, hist_row, i, i >= 0, rep, pres, freq, PEN) * inv
+
+
+@triton.jit
+def _load_s(row_ptr, offs, V, inv, sup_row, hist_row, rep, pres, freq, NSUP: tl.constexpr, PEN: tl.constexpr):
     """(x, s) of one block: raw logits and scaled ones with suppressed ids and lanes past V at -inf."""
     x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-    s = x * inv
+    s = _penalize(x, hist_row, offs, offs < V, rep, pres, freq, PEN) * inv
     for j in tl.static_range(NSUP):
         s = tl.where(offs == tl.load(sup_row + j), float("-inf"), s)
     return x, s
@@ -54,8 +73,8 @@ def _race_key(s, offs, h, greedy, ALL_GREEDY: tl.constexpr):
 
 
 @triton.jit
-def _first_pass(row_ptr, V, inv, sup_row, h, greedy, need_raw,
-                NSUP: tl.constexpr, ALL_GREEDY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _first_pass(row_ptr, V, inv, sup_row, hist_row, rep, pres, freq, h, greedy, need_raw,
+                NSUP: tl.constexpr, PEN: tl.constexpr, ALL_GREEDY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """Online (max, sum exp) of s over unsuppressed tokens, of x when ``need_raw``, and the race winner."""
     ar = tl.arange(0, BLOCK)
     m = -3.0e38
@@ -66,7 +85,7 @@ def _first_pass(row_ptr, V, inv, sup_row, h, greedy, need_raw,
     best_i = 0
     for start in range(0, V, BLOCK):
         offs = start + ar
-        x, s = _load_s(row_ptr, offs, V, inv, sup_row, NSUP)
+        x, s = _load_s(row_ptr, offs, V, inv, sup_row, hist_row, rep, pres, freq, NSUP, PEN)
         bmax = tl.max(s, 0)
         m_new = tl.maximum(m, bmax)
         z = z * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new), 0)
@@ -84,8 +103,8 @@ def _first_pass(row_ptr, V, inv, sup_row, h, greedy, need_raw,
 
 
 @triton.jit
-def _above(row_ptr, V, inv, sup_row, h, greedy, s_w, t_minp, m,
-           NSUP: tl.constexpr, ALL_GREEDY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _above(row_ptr, V, inv, sup_row, hist_row, rep, pres, freq, h, greedy, s_w, t_minp, m,
+           NSUP: tl.constexpr, PEN: tl.constexpr, ALL_GREEDY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """Tokens with s > s_w: their count, their mass exp(s - m), and the race winner among those >= t_minp."""
     ar = tl.arange(0, BLOCK)
     cnt = 0
@@ -94,7 +113,7 @@ def _above(row_ptr, V, inv, sup_row, h, greedy, s_w, t_minp, m,
     best_i = 0
     for start in range(0, V, BLOCK):
         offs = start + ar
-        _, s = _load_s(row_ptr, offs, V, inv, sup_row, NSUP)
+        _, s = _load_s(row_ptr, offs, V, inv, sup_row, hist_row, rep, pres, freq, NSUP, PEN)
         bmax = tl.max(s, 0)
         if bmax > s_w:
             gt = s > s_w
@@ -110,8 +129,8 @@ def _above(row_ptr, V, inv, sup_row, h, greedy, s_w, t_minp, m,
 
 
 @triton.jit
-def _kp_threshold(row_ptr, V, inv, sup_row, lo0, hi, m, z, k, top_p,
-                  NSUP: tl.constexpr, SBLOCK: tl.constexpr, NT: tl.constexpr):  # fmt: skip
+def _kp_threshold(row_ptr, V, inv, sup_row, hist_row, rep, pres, freq, lo0, hi, m, z, k, top_p,
+                  NSUP: tl.constexpr, PEN: tl.constexpr, SBLOCK: tl.constexpr, NT: tl.constexpr):  # fmt: skip
     """Smallest row value v that top-k and top-p keep, given a value ``lo0`` they drop (or -inf) and a
     kept one ``hi``.
 
@@ -142,7 +161,7 @@ def _kp_threshold(row_ptr, V, inv, sup_row, lo0, hi, m, z, k, top_p,
         vmin = float("inf")
         vmax = float("-inf")
         for start in range(0, V, SBLOCK):
-            _, s = _load_s(row_ptr, start + ar, V, inv, sup_row, NSUP)
+            _, s = _load_s(row_ptr, start + ar, V, inv, sup_row, hist_row, rep, pres, freq, NSUP, PEN)
             inb = (s > lo_f) & (s <= hi_f)
             vmin = tl.minimum(vmin, tl.min(tl.where(inb, s, float("inf")), 0))
             vmax = tl.maximum(vmax, tl.max(tl.where(inb, s, float("-inf")), 0))
@@ -157,8 +176,8 @@ def _kp_threshold(row_ptr, V, inv, sup_row, lo0, hi, m, z, k, top_p,
 
 
 @triton.jit
-def _race_from(row_ptr, V, inv, sup_row, h, greedy, t, m, do_race,
-               NSUP: tl.constexpr, ALL_GREEDY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _race_from(row_ptr, V, inv, sup_row, hist_row, rep, pres, freq, h, greedy, t, m, do_race,
+               NSUP: tl.constexpr, PEN: tl.constexpr, ALL_GREEDY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """The kept set {s >= t}: its mass sum exp(s - m) and (when ``do_race``) its race winner."""
     ar = tl.arange(0, BLOCK)
     z = 0.0
@@ -166,7 +185,7 @@ def _race_from(row_ptr, V, inv, sup_row, h, greedy, t, m, do_race,
     best_i = 0
     for start in range(0, V, BLOCK):
         offs = start + ar
-        _, s = _load_s(row_ptr, offs, V, inv, sup_row, NSUP)
+        _, s = _load_s(row_ptr, offs, V, inv, sup_row, hist_row, rep, pres, freq, NSUP, PEN)
         kept = s >= t
         z += tl.sum(tl.where(kept, tl.exp(s - m), 0.0), 0)
         if do_race & (tl.max(tl.where(kept, s, float("-inf")), 0) + 17.0 >= best):
@@ -179,8 +198,8 @@ def _race_from(row_ptr, V, inv, sup_row, h, greedy, t, m, do_race,
 
 
 @triton.jit
-def _filter(row_ptr, V, inv, sup_row, h, greedy, w, m, z, k, top_p, min_p, want_kept_mass,
-            NSUP: tl.constexpr, ALL_GREEDY: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr,
+def _filter(row_ptr, V, inv, sup_row, hist_row, rep, pres, freq, h, greedy, w, m, z, k, top_p, min_p, want_kept_mass,
+            NSUP: tl.constexpr, PEN: tl.constexpr, ALL_GREEDY: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr,
             NT: tl.constexpr):  # fmt: skip
     """(token, sum of exp(s - m) over the kept set) for a row with top-k / top-p / min-p (see module doc).
 
@@ -191,7 +210,7 @@ def _filter(row_ptr, V, inv, sup_row, h, greedy, w, m, z, k, top_p, min_p, want_
     has_kp = (k > 0) | (top_p < 1.0)
     k_cap = tl.where(k > 0, k, 1 << 40)
     p_cap = tl.where(top_p < 1.0, top_p, float("inf"))
-    s_w = tl.load(row_ptr + w).to(tl.float32) * inv
+    _, s_w = _load_one(row_ptr, w, inv, hist_row, rep, pres, freq, PEN)
     any_filter = has_kp | (min_p > 0.0)
     go = any_filter
     ok = go == 0
@@ -202,7 +221,8 @@ def _filter(row_ptr, V, inv, sup_row, h, greedy, w, m, z, k, top_p, min_p, want_
         mass = 0.0
         nxt = w
         if (s_w < m) & (has_kp | (s_w < t_minp)):
-            cnt, mass, nxt = _above(row_ptr, V, inv, sup_row, h, greedy, s_w, t_minp, m, NSUP, ALL_GREEDY, BLOCK)
+            cnt, mass, nxt = _above(row_ptr, V, inv, sup_row, hist_row, rep, pres, freq, h, greedy, s_w, t_minp,
+                                    m, NSUP, PEN, ALL_GREEDY, BLOCK)
         kp_ok = (cnt < k_cap) & (mass / z < p_cap)
         ok = (s_w >= t_minp) & kp_ok
         lo_kp = tl.where(kp_ok, lo_kp, tl.maximum(lo_kp, s_w))
@@ -210,14 +230,16 @@ def _filter(row_ptr, V, inv, sup_row, h, greedy, w, m, z, k, top_p, min_p, want_
         go = (ok == 0) & (rounds < 4) & (cnt < 2 * k_cap)
         if go:
             w = nxt
-            s_w = tl.load(row_ptr + w).to(tl.float32) * inv
+            _, s_w = _load_one(row_ptr, w, inv, hist_row, rep, pres, freq, PEN)
     z_kept = z
     if (ok == 0) | (want_kept_mass & any_filter):
         t = t_minp
         if has_kp:
             hi = tl.where(ok, s_w, m)  # a kept value: the accepted winner, or the max
-            t = tl.maximum(t, _kp_threshold(row_ptr, V, inv, sup_row, lo_kp, hi, m, z, k, top_p, NSUP, SBLOCK, NT))
-        w2, z_kept = _race_from(row_ptr, V, inv, sup_row, h, greedy, t, m, ok == 0, NSUP, ALL_GREEDY, BLOCK)
+            t = tl.maximum(t, _kp_threshold(row_ptr, V, inv, sup_row, hist_row, rep, pres, freq, lo_kp, hi, m, z,
+                                            k, top_p, NSUP, PEN, SBLOCK, NT))
+        w2, z_kept = _race_from(row_ptr, V, inv, sup_row, hist_row, rep, pres, freq, h, greedy, t, m, ok == 0,
+                                NSUP, PEN, ALL_GREEDY, BLOCK)
         w = tl.where(ok, w, w2)
     return w, z_kept
 
@@ -226,20 +248,32 @@ def _filter(row_ptr, V, inv, sup_row, h, greedy, w, m, z, k, top_p, min_p, want_
 def _sample_kernel(
     logits_ptr, stride_row, V,
     temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr, mode_ptr, sup_ptr, sup_stride,
-    tok_ptr, lp_ptr,
-    NSUP: tl.constexpr, FILTER: tl.constexpr, ALL_GREEDY: tl.constexpr,
+    tok_ptr, lp_ptr, hist_ptr, hist_stride, hrow_ptr, rep_ptr, pres_ptr, freq_ptr,
+    NSUP: tl.constexpr, PEN: tl.constexpr, FILTER: tl.constexpr, ALL_GREEDY: tl.constexpr,
     BLOCK: tl.constexpr, SBLOCK: tl.constexpr, NT: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     sup_row = sup_ptr + row * sup_stride
+    hist_row = hist_ptr
+    rep = 1.0
+    pres = 0.0
+    freq = 0.0
+    if PEN:
+        hist_row = hist_ptr + tl.load(hrow_ptr + row) * hist_stride
+        rep = tl.load(rep_ptr + row)
+        pres = tl.load(pres_ptr + row)
+        freq = tl.load(freq_ptr + row)
     temp = tl.load(temp_ptr + row)
     greedy = temp == 0.0
     inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.where(greedy, 1.0, temp))  # as torch's 1.0 / T
     mode = tl.load(mode_ptr + row)
     need_raw = (mode == 2) & (inv != 1.0)
+    if PEN:
+        need_raw = mode == 2  # raw logprobs are of the unpenalised logits
     h = row_hash(tl.load(seed_ptr + row), tl.load(pos_ptr + row))
-    m, z, m_raw, z_raw, w = _first_pass(row_ptr, V, inv, sup_row, h, greedy, need_raw, NSUP, ALL_GREEDY, BLOCK)
+    m, z, m_raw, z_raw, w = _first_pass(row_ptr, V, inv, sup_row, hist_row, rep, pres, freq, h, greedy, need_raw,
+                                        NSUP, PEN, ALL_GREEDY, BLOCK)
     # policy logprobs normalise over every token, suppressed ones included (their s, deduplicated)
     m_all = m
     z_all = z
@@ -248,18 +282,18 @@ def _sample_kernel(
         fresh = (sid >= 0) & (sid < V)
         for j2 in tl.static_range(j):
             fresh = fresh & (tl.load(sup_row + j2) != sid)
-        s_sup = tl.load(row_ptr + sid, mask=fresh, other=float("-inf")).to(tl.float32) * inv
+        x_sup = tl.load(row_ptr + sid, mask=fresh, other=float("-inf")).to(tl.float32)
+        s_sup = _penalize(x_sup, hist_row, sid, fresh, rep, pres, freq, PEN) * inv
         m_new = tl.maximum(m_all, s_sup)
         z_all = z_all * tl.exp(m_all - m_new) + tl.exp(s_sup - m_new)
         m_all = m_new
     z_proc = z
     if FILTER:
         w, z_proc = _filter(
-            row_ptr, V, inv, sup_row, h, greedy, w, m, z, tl.load(topk_ptr + row), tl.load(topp_ptr + row),
-            tl.load(minp_ptr + row), mode == 1, NSUP, ALL_GREEDY, BLOCK, SBLOCK, NT,
+            row_ptr, V, inv, sup_row, hist_row, rep, pres, freq, h, greedy, w, m, z, tl.load(topk_ptr + row),
+            tl.load(topp_ptr + row), tl.load(minp_ptr + row), mode == 1, NSUP, PEN, ALL_GREEDY, BLOCK, SBLOCK, NT,
         )  # fmt: skip
-    x_w = tl.load(row_ptr + w).to(tl.float32)
-    s_w = x_w * inv
+    x_w, s_w = _load_one(row_ptr, w, inv, hist_row, rep, pres, freq, PEN)
     lp = s_w - (m_all + tl.log(z_all))
     if mode == 1:
         lp = s_w - (m + tl.log(z_proc))
@@ -295,12 +329,18 @@ def fused_sample(
     sup = st.suppress_ids
     if sup is not None and sup.stride(-1) != 1:
         sup = sup.contiguous()
+    pen = st.penalties
+    if pen is None:
+        pen_args = (st.seed, 0, st.seed, st.temperature, st.temperature, st.temperature)  # unread
+    else:
+        pen_args = (pen.hist, pen.hist.stride(0), pen.rows, pen.repetition, pen.presence, pen.frequency)
     _sample_kernel[(n,)](
         logits, logits.stride(0), vocab,
         st.temperature, st.top_k, st.top_p, st.min_p, st.seed, st.position, st.mode,
         sup if sup is not None else st.seed, sup.stride(0) if sup is not None else 0,
-        tokens, logprobs,
-        NSUP=sup.shape[1] if sup is not None else 0, FILTER=bool(st.needs_filter), ALL_GREEDY=bool(st.all_greedy),
+        tokens, logprobs, *pen_args,
+        NSUP=sup.shape[1] if sup is not None else 0, PEN=pen is not None, FILTER=bool(st.needs_filter),
+        ALL_GREEDY=bool(st.all_greedy),
         BLOCK=block, SBLOCK=search_block, NT=num_thresholds, num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
     return tokens, logprobs

@@ -9,12 +9,19 @@ of earlier tokens; and it costs 2 bytes per 128 values: a token-head is 130 byte
 1.97x the capacity (the fp8 values keep e4m3's ~6% relative precision within each row).
 
 Layout: each layer's cache is one uint8 tensor ``[2, num_blocks, block_bytes]`` (0 = K, 1 = V) so
-that a block copy (copy-on-write of a shared block) moves values and scales together; inside a
-block, the ``block_size x Hkv x D`` fp8 values come first, then the ``block_size x Hkv`` fp16
-scales. ``fp8_views`` gives the kernels their typed views of it.
+that a block copy (copy-on-write of a shared block) moves values and scales together. Inside a block
+each half holds its ``block_size x Hkv x D`` fp8 values first, then its ``Hkv x block_size`` fp16
+scales (one kv head's scales for the block are contiguous: a decode tile loads them in a few wide
+loads). K's values are token-major ``[block_size, Hkv, D]`` (D contiguous: QK^T contracts over D);
+V's are stored transposed, ``[Hkv, D, block_size]`` (tokens contiguous: PV contracts over tokens, and
+an 8-bit tensor-core operand must be contiguous along its contraction axis; token-major fp8 V made
+the decode kernel gather it byte by byte from shared memory). ``fp8_views`` gives logical views of
+both, ``[num_blocks, block_size, Hkv, D]`` each, whatever the physical order.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -38,9 +45,21 @@ def is_fp8_cache(kv_cache: torch.Tensor) -> bool:
     return kv_cache.dtype == torch.uint8
 
 
-def fp8_views(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Raw ``[2, num_blocks, block_bytes]`` -> (values ``[2, nb, page, Hkv, D]`` fp8, scales
-    ``[2, nb, page, Hkv]`` fp16), both views of the same memory."""
+class KVPair(NamedTuple):
+    """An fp8 cache's K and V values as logical ``[num_blocks, block_size, Hkv, D]`` views (V strided)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def kv_halves(kv_cache: torch.Tensor | KVPair) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) ``[num_blocks, block_size, Hkv, D]`` of a ``[2, ...]`` cache or a ``KVPair``."""
+    return kv_cache[0], kv_cache[1]
+
+
+def fp8_views(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[KVPair, torch.Tensor]:
+    """Raw ``[2, num_blocks, block_bytes]`` -> (values ``KVPair`` of fp8 ``[nb, page, Hkv, D]`` views,
+    scales ``[2, nb, page, Hkv]`` fp16 view), all views of the same memory."""
     two, nb, nbytes = kv_cache.shape
     row = num_kv_heads * fp8_token_head_bytes(head_dim)
     if two != 2 or nbytes % row or kv_cache.stride(2) != 1:
@@ -50,9 +69,10 @@ def fp8_views(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple
         )
     page = nbytes // row
     split = page * num_kv_heads * head_dim
-    values = kv_cache[..., :split].view(FP8_DTYPE).view(2, nb, page, num_kv_heads, head_dim)
-    scales = kv_cache[..., split:].view(SCALE_DTYPE).view(2, nb, page, num_kv_heads)
-    return values, scales
+    k = kv_cache[0, :, :split].view(FP8_DTYPE).view(nb, page, num_kv_heads, head_dim)
+    v = kv_cache[1, :, :split].view(FP8_DTYPE).view(nb, num_kv_heads, head_dim, page).permute(0, 3, 1, 2)
+    scales = kv_cache[..., split:].view(SCALE_DTYPE).view(2, nb, num_kv_heads, page).transpose(2, 3)
+    return KVPair(k, v), scales
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,11 @@ Filters (the kept set, ties included): with s the scaled logits and suppressed i
 value v is kept iff fewer than ``top_k`` tokens have s > v, the probability of the tokens with s > v is
 below ``top_p``, and v >= max(s) + log(min_p). All three are thresholds on v, so equal values are kept
 or dropped together (the sorted definition's "token that crosses top_p" brings its ties along).
+
+Penalties (vLLM's semantics, applied to the logits x before temperature): a token seen in the prompt or
+the output has x / r (x > 0) or x * r (x <= 0) for repetition penalty r, then x - f * count - p * (count > 0)
+over output counts. ``policy`` and ``processed`` logprobs see the penalised logits, ``raw`` the model's own.
+Counts live on the device (``Penalties.hist``, one int32 row per sequence: 2 * output count + in prompt).
 """
 
 from __future__ import annotations
@@ -49,6 +54,36 @@ class SamplingTensors:
     suppress_ids: torch.Tensor | None = None  # [N, S] int64, -1 padded: ids not to sample (EOS before min_tokens)
     needs_filter: bool = True  # any row with top-k / top-p / min-p (host flag: skips the filter work otherwise)
     all_greedy: bool = False  # host flag: skip drawing noise
+    penalties: Penalties | None = None  # None: no row of the batch has a penalty (host flag: skip them)
+    num_top_logprobs: int = 0  # host int: also return each row's this many most likely tokens
+
+
+@dataclass(slots=True)
+class Penalties:
+    """Per-row penalty settings and where each row's token history lives on the device."""
+
+    hist: torch.Tensor  # [R, V] int32: 2 * (count in the output) + (1 if in the prompt)
+    rows: torch.Tensor  # [N] int64: each sampling row's row of ``hist`` (a zero row for rows without penalties)
+    repetition: torch.Tensor  # [N] float32, 1 = off
+    presence: torch.Tensor  # [N] float32, 0 = off
+    frequency: torch.Tensor  # [N] float32, 0 = off
+
+
+def apply_penalties(x: torch.Tensor, pen: Penalties) -> torch.Tensor:
+    """Float32 logits [N, V] with the penalties applied, op for op as the fused kernel."""
+    h = pen.hist[pen.rows]
+    rep = pen.repetition[:, None]
+    x = torch.where(h > 0, torch.where(x > 0, x / rep, x * rep), x)
+    cnt = (h >> 1).to(torch.float32)
+    x = x - pen.frequency[:, None] * cnt
+    return x - pen.presence[:, None] * (cnt > 0).to(torch.float32)
+
+
+def count_samples(pen: Penalties, tokens: torch.Tensor) -> None:
+    """Add this step's samples to their rows' output counts, on the device (no host round trip)."""
+    on = (pen.repetition != 1) | (pen.presence != 0) | (pen.frequency != 0)
+    flat = pen.rows * pen.hist.shape[1] + tokens  # scatter_add: atomics, no sort, capturable in a CUDA graph
+    pen.hist.view(-1).scatter_add_(0, flat, on.to(torch.int32) * 2)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -122,12 +157,12 @@ def keep_mask(s: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return keep & (s >= torch.where(st.min_p[:, None] > 0, mth, neg_inf))
 
 
-def sample_torch(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference: logits [N, V] -> (token ids [N] int64, logprobs [N] float32)."""
-    logits = logits.float()
+def _distributions(logits: torch.Tensor, st: SamplingTensors):
+    """(processed scaled logits, raw, policy and processed logprobs [N, V]) of float32 logits."""
     greedy = st.temperature == 0
     inv_t = 1.0 / torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
-    s = logits * inv_t[:, None]  # T = 1 for greedy rows
+    x = logits if st.penalties is None else apply_penalties(logits, st.penalties)
+    s = x * inv_t[:, None]  # T = 1 for greedy rows
     raw_lp = torch.log_softmax(logits, dim=-1)
     policy_lp = torch.log_softmax(s, dim=-1)
     proc_s = s
@@ -136,6 +171,27 @@ def sample_torch(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tenso
     if st.needs_filter:
         proc_s = proc_s.masked_fill(~keep_mask(proc_s, st), float("-inf"))
     proc_lp = policy_lp if proc_s is s else torch.log_softmax(proc_s, dim=-1)  # renormalise what is left
+    return proc_s, raw_lp, policy_lp, proc_lp
+
+
+def mode_logprobs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """[N, V] float32: each row's whole distribution in its ``logprobs_mode`` (what ``sample`` returns one of)."""
+    _, raw_lp, policy_lp, proc_lp = _distributions(logits.float(), st)
+    mode = st.mode[:, None]
+    return torch.where(mode == MODE_RAW, raw_lp, torch.where(mode == MODE_PROCESSED, proc_lp, policy_lp))
+
+
+def top_logprobs(logits: torch.Tensor, st: SamplingTensors, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k most likely tokens in its ``logprobs_mode``, descending: (ids [N, k] int64, [N, k] float32)."""
+    values, ids = mode_logprobs(logits, st).topk(min(k, logits.shape[-1]), dim=-1)
+    return ids, values
+
+
+def sample_torch(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: logits [N, V] -> (token ids [N] int64, logprobs [N] float32)."""
+    logits = logits.float()
+    greedy = st.temperature == 0
+    proc_s, raw_lp, policy_lp, proc_lp = _distributions(logits, st)
     if st.all_greedy:
         tokens = proc_s.argmax(-1)
     else:

@@ -31,7 +31,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     ids = await st.prompt_ids(req.prompts(), params, req.truncate_prompt_tokens)
     render = Render(st.engine.tokenizer, req.return_tokens_as_token_ids)
     if req.stream:
-        _stream_refuses(req, echo=req.echo, logprobs=req.logprobs)
+        _stream_refuses(req, echo=req.echo)
         return _stream(st, req, ids, params, render, chat=False)
     outs = await _generate(st, request, ids, params, req.priority or 0)
     return await st.text(lambda: JSONResponse(completion_body(req, outs, st.model_name, render, echo_only)))
@@ -52,7 +52,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         params = dataclasses.replace(params, max_tokens=max(room, floor))
     render = Render(st.engine.tokenizer, req.return_tokens_as_token_ids)
     if req.stream:
-        _stream_refuses(req, top_logprobs=req.top_logprobs if req.logprobs else None)
+        _stream_refuses(req)
         return _stream(st, req, ids, params, render, chat=True)
     outs = await _generate(st, request, ids, params, req.priority or 0)
     return await st.text(lambda: JSONResponse(chat_body(req, outs[0], st.model_name, render)))
@@ -111,24 +111,21 @@ async def _request_template(st: ServerState, req: ChatCompletionRequest) -> list
 def _submit(st: ServerState, ids: list[list[int]], params: Any, stream: StreamFeed | None, priority: int = 0
             ) -> tuple[list[str], list[asyncio.Future]]:
     """Queue every prompt; awaitable futures of their outputs, or (``stream``) their outputs fed to it.
-    ``priority`` (vLLM's: lower is served first) is passed on only when set, for engines without it."""
+    ``priority``: vLLM's, lower is served first."""
     st.check_room(len(ids) * params.n)  # no await between this check and the submits: it holds
     aloop = asyncio.get_running_loop()
     rids, futs = [], []
-    extra = {"priority": priority} if priority else {}
     try:
         for i, prompt in enumerate(ids):
             rid = uuid.uuid4().hex
             if stream is None:
-                futs.append(asyncio.wrap_future(st.loop.submit(prompt, params, rid, **extra), loop=aloop))
+                futs.append(asyncio.wrap_future(st.loop.submit(prompt, params, rid, priority=priority), loop=aloop))
             else:
-                st.loop.submit(prompt, params, rid, on_partial=stream.partial(i)).add_done_callback(stream.final(i))
+                st.loop.submit(prompt, params, rid, on_partial=stream.partial(i), priority=priority
+                               ).add_done_callback(stream.final(i))
             rids.append(rid)
     except (TypeError, ValueError) as e:
         _abort(st, rids)
-        if "priority" in str(e) and "unexpected keyword" in str(e):
-            raise APIError(400, f"priority={priority} is not supported by this engine build; allowed: 0",
-                           param="priority") from None
         raise APIError(400, str(e)) from None
     except RuntimeError as e:
         _abort(st, rids)
@@ -173,7 +170,7 @@ def _stream(st: ServerState, req: Any, ids: list[list[int]], params: Any, render
             ) -> StreamingResponse:
     chunks = StreamChunks(req, len(ids), params.n, st.model_name, render, chat)
     feed = StreamFeed(st.poster(), st.settings.stream_buffer_tokens, chunks)
-    rids, _ = _submit(st, ids, params, feed)
+    rids, _ = _submit(st, ids, params, feed, req.priority or 0)
     feed.on_overflow = lambda: _abort(st, rids)
     events = stream_events(req, feed, len(ids))
     return StreamingResponse(events, media_type="text/event-stream")

@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout.serve import tools as tool_calls
 from rollout.serve.responses import Render, chat_logprobs, completion_logprobs, new_id, usage
 
 
@@ -130,12 +131,14 @@ class _Choice:
 MAX_UNREAD = 8  # tokens held back waiting for a character to complete (UTF-8: at most 4 bytes) before giving up
 
 
-def _decode_new(tokenizer: Any, s: _Choice, ids: list[int]) -> str:
+def _decode_new(tokenizer: Any, s: _Choice, ids: list[int], **decode: Any) -> str:
     """The text ``ids`` add after what ``s`` decoded so far; "" while they end inside a character (for at
-    most ``MAX_UNREAD`` tokens, so the window, and each step's decode, stays a few tokens long)."""
+    most ``MAX_UNREAD`` tokens, so the window, and each step's decode, stays a few tokens long). ``decode``:
+    the request's ``skip_special_tokens`` / ``spaces_between_special_tokens`` (default: skip)."""
+    decode = decode or {"skip_special_tokens": True}
     s.window += ids
-    prefix = tokenizer.decode(s.window[: s.read], skip_special_tokens=True)
-    full = tokenizer.decode(s.window, skip_special_tokens=True)
+    prefix = tokenizer.decode(s.window[: s.read], **decode)
+    full = tokenizer.decode(s.window, **decode)
     waiting = len(full) <= len(prefix) or full.endswith("\ufffd")
     if waiting and len(s.window) - s.read < MAX_UNREAD:
         return ""
@@ -161,6 +164,11 @@ class StreamChunks:
         self.finals: dict[int, Any] = {}
         self.with_ids = req.return_token_ids is not False
         self.want_lp = bool(req.logprobs) if chat else req.logprobs is not None
+        # With tools a call can only be parsed from the whole output: content waits for the last chunk, which
+        # carries it and the parsed ``tool_calls`` (ids, logprobs and versions still stream as they land).
+        self.tools = chat and bool(getattr(req, "tools", None)) and getattr(req, "tool_choice", None) != "none"
+        self.decode = {k: v for k in ("skip_special_tokens", "spaces_between_special_tokens")
+                       if (v := getattr(req, k, None)) is not None}
 
     def render_items(self, items: list[tuple[int, Any, bool]]) -> list[str]:
         out = []
@@ -179,25 +187,38 @@ class StreamChunks:
             return None
         skip = s.tokens if final else 0  # a final output is whole; a partial one holds only the new tokens
         ids, lps, versions = c.token_ids[skip:], c.logprobs[skip:], c.policy_versions[skip:]
+        tops = getattr(c, "top_logprobs", None)
+        tops = tops[skip:] if tops is not None else None
         tok = self.render.tokenizer
+        calls: list[dict[str, Any]] = []
+        finish = c.finish_reason if final else None
         if final:
             text = (c.text or "")[s.text :]
+            if self.tools:
+                content, calls = tool_calls.parse(tok, list(c.token_ids), list(output.prompt_token_ids), text,
+                                                  self.req.tools)
+                text = text if not calls else content or ""
+                finish = "tool_calls" if calls and finish == "stop" else finish
+        elif self.tools:
+            text = ""
         else:
-            s.pending += _decode_new(tok, s, ids) if tok is not None and ids else ""
+            s.pending += _decode_new(tok, s, ids, **self.decode) if tok is not None and ids else ""
             text = s.pending[: max(0, len(s.pending) - self.hold)]
             s.pending = s.pending[len(text) :]
         if not ids and not text and not final and s.started:
             return None
         choice: dict[str, Any] = {"index": c.index if self.chat else tag * self.n + c.index,
-                                  "finish_reason": c.finish_reason if final else None,
-                                  "stop_reason": c.stop_reason if final else None,
+                                  "finish_reason": finish, "stop_reason": c.stop_reason if final else None,
                                   "policy_versions": list(versions)}
         if self.chat:
             choice["delta"] = {"content": text} if s.started else {"content": text, "role": "assistant"}
-            choice["logprobs"] = chat_logprobs(self.render, ids, lps) if self.want_lp else None
+            if calls:
+                choice["delta"]["tool_calls"] = [dict(call, index=i) for i, call in enumerate(calls)]
+            choice["logprobs"] = chat_logprobs(self.render, ids, lps, tops) if self.want_lp else None
         else:
             choice["text"] = text
-            choice["logprobs"] = completion_logprobs(self.render, ids, lps, s.text) if self.want_lp else None
+            choice["logprobs"] = (completion_logprobs(self.render, ids, lps, s.text, tops) if self.want_lp
+                                  else None)
         chunk = {"id": self.id, "object": self.obj, "created": self.created, "model": self.model,
                  "choices": [choice]}
         if self.with_ids:

@@ -75,9 +75,20 @@ def to_fp8(cache):
     raw = torch.empty(2, nb, fp8_block_bytes(page, hkv, d), dtype=torch.uint8, device=DEV)
     values, scales = fp8_views(raw, hkv, d)
     qv, sc = quantize_fp8(cache)
-    values.copy_(qv)
+    for i, half in enumerate(values):  # K token-major, V token-contiguous (rollout.layers.kv_quant)
+        half.view(torch.uint8).copy_(qv[i].view(torch.uint8))
     scales.copy_(sc)
     return raw, values, scales
+
+
+def poison_tails(values, meta):
+    """NaN bytes (0x7F) in every slot past a sequence's end in its last block: stale slots a kernel
+    loads must never reach the output (P is 0 there, but 0 * NaN is NaN)."""
+    for i, sl in enumerate(meta.seq_lens.tolist()):
+        if sl % PAGE:
+            blk = int(meta.block_tables[i, (sl - 1) // PAGE])
+            for half in values:
+                half.view(torch.uint8)[blk, sl % PAGE :] = 0x7F
 
 
 def long_tail_lens(batch, max_ctx, seed, lo=300):
@@ -116,9 +127,26 @@ def test_decode_w2_long_tail_and_32k(kv, batch, max_ctx):
     scales = None
     if kv == "fp8":
         _, cache, scales = to_fp8(cache)
+        poison_tails(cache, meta)
     out = paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, d**-0.5, kv_scales=scales)
     ref = reference_attention(q.float(), cache, meta, d**-0.5, kv_scales=scales)
     assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_decode_fused_merge_equals_two_kernels(kv):
+    """The opt-in merge inside the split kernel (last chunk to finish merges, atomic counter per
+    sequence and kv head): equal to the two-kernel path, replay after replay (the counters re-zero)."""
+    hq, hkv, d = PRESETS["qwen2.5-1.5b"]
+    q, cache, meta = build([1] * 256, long_tail_lens(256, 16384, seed=3), hq, hkv, d)
+    scales = None
+    if kv == "fp8":
+        _, cache, scales = to_fp8(cache)
+    args = (q, cache, meta.block_tables, meta.seq_lens, d**-0.5)
+    want = paged_decode_attention(*args, kv_scales=scales)
+    for _ in range(5):
+        got = paged_decode_attention(*args, kv_scales=scales, fused_merge=True)
+        assert (got.float() - want.float()).abs().max().item() <= 1e-2 * want.float().abs().max().item()
 
 
 @pytest.mark.parametrize("hq,hkv", [(8, 1), (16, 2), (32, 8)])  # GQA 8 with one kv head, 8, 4
@@ -131,8 +159,9 @@ def test_decode_gqa_groups_32k(hq, hkv):
 
 def test_prefill_fp8_and_kv_write_fp8():
     hq, hkv, d = PRESETS["qwen2.5-1.5b"]
-    q, cache, meta = build([1, 512, 2000, 37], [4000, 512, 32000, 16000], hq, hkv, d)
+    q, cache, meta = build([1, 512, 2000, 37], [4001, 512, 32000, 16003], hq, hkv, d)
     raw, values, scales = to_fp8(cache)
+    poison_tails(values, meta)
     out = paged_prefill_attention(
         q, values, meta.query_start_loc, meta.seq_lens, meta.block_tables, d**-0.5, meta.max_query_len,
         kv_scales=scales,
@@ -144,8 +173,10 @@ def test_prefill_fp8_and_kv_write_fp8():
     write_kv(ref_values, k, v, meta.slot_mapping, ref_scales)
     write_kv_triton(values, k, v, meta.slot_mapping, scales)
     assert (raw != ref_raw).float().mean().item() < 1e-4, "fp8 store differs from quantize_fp8 beyond rounding"
-    got, want = values.float() * scales.float()[..., None], ref_values.float() * ref_scales.float()[..., None]
-    assert torch.allclose(got, want, rtol=2**-3, atol=1e-6)
+    for i in (0, 1):
+        got = values[i].float() * scales[i].float()[..., None]
+        want = ref_values[i].float() * ref_scales[i].float()[..., None]
+        assert torch.allclose(got, want, rtol=2**-3, atol=1e-6)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 16, 64])

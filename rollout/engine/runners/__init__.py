@@ -18,7 +18,7 @@ def build_runner(model: torch.nn.Module, kv: KVCache, c: EngineConfig, attn: Att
                  max_model_len: int) -> Runner:
     """The runner for one rank's model (every tensor-parallel rank builds its own with this too)."""
     if device.type != "cuda":
-        return CpuRunner(model, kv, c.block_size, attn.build(), device)
+        return CpuRunner(model, kv, c.block_size, attn.build(), device, c.max_num_seqs)
     return CudaRunner(
         model, kv, c.block_size, attn.build(), device,
         max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,

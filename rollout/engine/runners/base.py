@@ -10,15 +10,19 @@ each sequence's last sample.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from rollout.engine.plan import BatchPlan, SampleResult
-from rollout.engine.runners.inputs import HostInputs
+from rollout.engine.runners.inputs import HostInputs, PromptInputs
+from rollout.engine.runners.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from rollout.layers.attention_metadata import AttentionMetadata
 from rollout.layers.parallel_sampler import sample_vocab_parallel
-from rollout.layers.sampler import SamplingTensors
+from rollout.layers.sampler import Penalties, SamplingTensors, count_samples, top_logprobs
+
+MAX_TOP = 20  # alternatives a step computes when any row asks (rows keep their own k)
 
 SAMPLING_FIELDS = (("temperature", torch.float32), ("top_k", torch.int64), ("top_p", torch.float32),
                    ("min_p", torch.float32), ("seed", torch.int64), ("position", torch.int64),
@@ -80,18 +84,45 @@ def make_metadata(field: Callable[[str, torch.dtype], torch.Tensor], block_table
 
 
 def make_sampling(field: Callable[[str, torch.dtype], torch.Tensor], suppress: torch.Tensor | None,
-                  variant: tuple[bool, bool, bool]) -> SamplingTensors:
-    greedy, needs_filter, _ = variant
+                  variant: tuple[bool, ...], penalties: Penalties | None = None, num_top: int = 0) -> SamplingTensors:
+    greedy, needs_filter = variant[:2]
     return SamplingTensors(**{name: field(name, dt) for name, dt in SAMPLING_FIELDS},
-                           suppress_ids=suppress, needs_filter=needs_filter, all_greedy=greedy)
+                           suppress_ids=suppress, needs_filter=needs_filter, all_greedy=greedy,
+                           penalties=penalties, num_top_logprobs=num_top)
+
+
+@dataclass(slots=True)
+class StepOut:
+    """A step's device results: samples (None when no row samples), top alternatives, prompt logprobs."""
+
+    tokens: torch.Tensor | None
+    logprobs: torch.Tensor | None
+    top_ids: torch.Tensor | None = None  # [N, MAX_TOP]
+    top_lps: torch.Tensor | None = None
+    prompt: PromptLogprobs | None = None
 
 
 def forward_and_sample(model: torch.nn.Module, kv_layers: list[torch.Tensor], attn_backend: object,
                        input_ids: torch.Tensor, meta: AttentionMetadata, sample_idx: torch.Tensor,
-                       sampling: SamplingTensors | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The model over the flattened batch, then the sampler over the rows that sample (None: no row does)."""
+                       sampling: SamplingTensors | None, prompt: PromptInputs | None = None,
+                       count: bool = True) -> StepOut | None:
+    """The model over the flattened batch, then the sampler over the rows that sample (None: no row samples
+    and no prompt logprobs are wanted). Penalised rows' samples are counted on the device here."""
     hidden = model(input_ids, meta.positions, kv_layers, meta, attn_backend)
+    pl = compute_prompt_logprobs(model, hidden, prompt, input_ids.device) if prompt is not None else None
     if sampling is None:
-        return None
+        return None if pl is None else StepOut(None, None, prompt=pl)
+    logits = model.compute_logits(hidden[sample_idx])
     # Under tensor parallelism the logits are this rank's vocabulary slice; at one rank this is ``sample``.
-    return sample_vocab_parallel(model.compute_logits(hidden[sample_idx]), sampling, model.tp, model.vocab_start)
+    tokens, lps = sample_vocab_parallel(logits, sampling, model.tp, model.vocab_start)
+    out = StepOut(tokens, lps, prompt=pl)
+    if sampling.num_top_logprobs:  # before the counts change: the distribution the token was drawn from
+        out.top_ids, out.top_lps = top_logprobs(logits, sampling, sampling.num_top_logprobs)
+    if sampling.penalties is not None and count:
+        count_samples(sampling.penalties, tokens)
+    return out
+
+
+def host_top(ids: list[list[int]], lps: list[list[float]], rows: list[int], plans: list) -> list[list[tuple]]:
+    """Per sampling row (its output row in ``rows``), its own k (token_id, logprob) pairs."""
+    return [list(zip(ids[r][: sp.num_top_logprobs], lps[r][: sp.num_top_logprobs])) for r, sp in zip(rows, plans)]

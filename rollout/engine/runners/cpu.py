@@ -10,10 +10,18 @@ from dataclasses import dataclass
 import torch
 
 from rollout.engine.plan import BatchPlan, SampleResult
-from rollout.engine.runners.base import copy_blocks, forward_and_sample, make_metadata, make_sampling
+from rollout.engine.runners.base import (
+    StepOut,
+    copy_blocks,
+    forward_and_sample,
+    host_top,
+    make_metadata,
+    make_sampling,
+)
 from rollout.engine.runners.inputs import HostInputs, build_host_inputs
 from rollout.engine.runners.kv_cache import KVCache
-from rollout.layers.sampler import SamplingTensors
+from rollout.engine.runners.penalties import PenaltyRows
+from rollout.layers.sampler import Penalties, SamplingTensors
 
 
 @dataclass(slots=True)
@@ -21,16 +29,26 @@ class CpuPendingStep:
     plan: BatchPlan
     tokens: torch.Tensor  # [num_sample_rows] int64
     logprobs: torch.Tensor
+    out: StepOut | None = None
+    h: HostInputs | None = None
 
     def result(self) -> SampleResult:
-        return SampleResult(self.plan.step_id, self.tokens.tolist(), self.logprobs.tolist())
+        res = SampleResult(self.plan.step_id, self.tokens.tolist(), self.logprobs.tolist())
+        out, h = self.out, self.h
+        if out is not None and out.top_ids is not None:
+            rows = list(range(len(h.sample_plans)))
+            res.top_logprobs = host_top(out.top_ids.tolist(), out.top_lps.tolist(), rows, h.sample_plans)
+        if out is not None and out.prompt is not None:
+            res.prompt_logprobs = out.prompt.to_host(False).spans()
+        return res
 
 
 class CpuRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCache, block_size: int, attn_backend: object,
-                 device: torch.device) -> None:
+                 device: torch.device, max_num_seqs: int = 256) -> None:
         self.model, self.kv, self.block_size = model, kv, block_size
         self.attn_backend, self.device = attn_backend, device
+        self.penalties = PenaltyRows(max_num_seqs, model.vocab_size, device)
         self._last_tokens: torch.Tensor | None = None  # the previous step's samples ...
         self._last_rows: dict[int, int] = {}  # ... and each sequence's row in them
 
@@ -53,17 +71,21 @@ class CpuRunner:
         meta = make_metadata(lambda name, dt: self._tensor(getattr(h, name), dt), tables,
                              h.max_query_len, h.max_seq_len, h.decode_only, h)
         out = forward_and_sample(self.model, layers, self.attn_backend, input_ids, meta,
-                                 self._tensor(h.sample_idx, torch.int64), self._sampling(h))
-        tokens, logprobs = out if out is not None else (torch.empty(0, dtype=torch.int64), torch.empty(0))
+                                 self._tensor(h.sample_idx, torch.int64), self._sampling(h), h.prompt)
+        tokens, logprobs = torch.empty(0, dtype=torch.int64), torch.empty(0)
+        if out is not None and out.tokens is not None:
+            tokens, logprobs = out.tokens, out.logprobs
         self._last_tokens = tokens
         self._last_rows = {seq_id: i for i, seq_id in enumerate(h.sample_seq_ids)}
-        return CpuPendingStep(plan, tokens, logprobs)
+        return CpuPendingStep(plan, tokens, logprobs, out, h)
 
     def reset(self) -> None:
         self._last_tokens, self._last_rows = None, {}
+        self.penalties.reset()
 
     def release(self) -> None:
         self.reset()
+        self.penalties.release()
 
     def restore(self) -> None:
         pass  # reads ``kv.layers`` every step
@@ -82,4 +104,12 @@ class CpuRunner:
         if h.has_suppress:
             width = max(len(ids) for ids in h.suppress)
             suppress = self._tensor([list(ids) + [-1] * (width - len(ids)) for ids in h.suppress], torch.int64)
-        return make_sampling(lambda name, dt: self._tensor(getattr(h, name), dt), suppress, h.sampler_variant)
+        pen = None
+        if h.has_penalties:
+            rows, new = self.penalties.assign(h.sample_plans)
+            hist = self.penalties.build(new)
+            settings = [sp.penalties or (1.0, 0.0, 0.0) for sp in h.sample_plans]
+            pen = Penalties(hist, self._tensor(rows, torch.int64),
+                            *(self._tensor([x[i] for x in settings], torch.float32) for i in range(3)))
+        return make_sampling(lambda name, dt: self._tensor(getattr(h, name), dt), suppress, h.sampler_variant,
+                             pen, h.num_top)

@@ -15,17 +15,28 @@ one memory pool (graphs never run concurrently, so two slots cost about one).
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 
 import torch
 
 from rollout.engine.plan import BatchPlan, SampleResult
-from rollout.engine.runners.base import copy_blocks, forward_and_sample, make_metadata, make_sampling
-from rollout.engine.runners.graphs import graph_sizes
+from rollout.engine.runners.base import (
+    MAX_TOP,
+    copy_blocks,
+    forward_and_sample,
+    host_top,
+    make_metadata,
+    make_sampling,
+)
+from rollout.engine.runners.graphs import graph_sizes, padded_size
 from rollout.engine.runners.inputs import HostInputs, build_host_inputs
 from rollout.engine.runners.io_slot import IOSlot, SlotShape
 from rollout.engine.runners.kv_cache import KVCache
+from rollout.engine.runners.penalties import PenaltyRows
+from rollout.engine.runners.prompt_logprobs import PromptLogprobs
+from rollout.layers.sampler import Penalties
+
+_NO_PENALTIES = (1.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +45,7 @@ class StepRecord:
     batch: int
     kv_tokens: int
     compute_ms: float
+    graph_b: int = 0  # padded size of the replayed decode graph; 0 = eager
 
 
 @dataclass(slots=True)
@@ -54,6 +66,9 @@ class CudaPendingStep:
     decode: bool
     batch: int
     clock: StepClock
+    h: HostInputs | None = None  # kept when the step returns top logprobs
+    prompt: PromptLogprobs | None = None  # host copies, landed with d2h_done
+    graph_b: int = 0  # padded size of the replayed decode graph; 0 = eager
 
     def result(self) -> SampleResult:
         slot = self.slot
@@ -62,8 +77,15 @@ class CudaPendingStep:
         ms = slot.compute_start.elapsed_time(slot.compute_end)
         self.clock.total_ms += ms
         if self.clock.record_steps:
-            self.clock.records.append(StepRecord(self.decode, self.batch, self.plan.num_context_tokens, ms))
-        return SampleResult(self.plan.step_id, [toks[r] for r in self.rows], [lps[r] for r in self.rows])
+            rec = StepRecord(self.decode, self.batch, self.plan.num_context_tokens, ms, self.graph_b)
+            self.clock.records.append(rec)
+        res = SampleResult(self.plan.step_id, [toks[r] for r in self.rows], [lps[r] for r in self.rows])
+        if self.h is not None:
+            res.top_logprobs = host_top(slot.host_top_ids.tolist(), slot.host_top_lps.tolist(), self.rows,
+                                        self.h.sample_plans)
+        if self.prompt is not None:
+            res.prompt_logprobs = self.prompt.spans()
+        return res
 
 
 class CudaRunner:
@@ -83,11 +105,13 @@ class CudaRunner:
         self.d2h = torch.cuda.Stream(device)
         self.cuda_graphs = cuda_graphs
         self.graph_sizes = graph_sizes(max_graph_batch_size, max_num_seqs)
-        self.graphs: dict[tuple[int, int, tuple[bool, bool, bool]], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int, tuple[bool, ...]], torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
         self._next_slot = 0
         self._last_rows: dict[int, int] = {}  # seq_id -> its sample's row in the previous step's output buffer
         self.clock = StepClock()
+        self.penalties = PenaltyRows(max_num_seqs, model.vocab_size, device)
+        self.num_top = min(MAX_TOP, model.vocab_size)
 
     # ---- the step ----------------------------------------------------------------------------
     def execute(self, plan: BatchPlan) -> CudaPendingStep:
@@ -99,8 +123,12 @@ class CudaRunner:
         decode = h.decode_only
         if slot.used:
             slot.h2d_done.synchronize()  # the pinned buffers' last copy (two steps ago) is done
-        rows = self._fill(slot, h, graph_b, plan.block_copies)
+        pen_rows, pen_new = self.penalties.assign(h.sample_plans) if h.has_penalties else (None, [])
+        rows = self._fill(slot, h, graph_b, plan.block_copies, pen_rows)
         variant = h.sampler_variant
+        if variant[4]:
+            slot.ensure_top(MAX_TOP)
+        prompt = None
         with torch.cuda.stream(self.h2d):
             if slot.used:
                 self.h2d.wait_event(slot.compute_done)
@@ -116,10 +144,12 @@ class CudaRunner:
                 self.kv.swap(plan.swap_out, plan.swap_in)
             if plan.block_copies:
                 self._copy_blocks(slot, len(plan.block_copies))
+            if h.has_penalties:
+                self.penalties.build(pen_new)  # rows of sequences new to it, before anything reads them
             if graph_b:
                 self._replay(slot, graph_b, variant, h)
             else:
-                self._forward(slot, t, b, len(h.sample_idx), h, variant)
+                prompt = self._forward(slot, t, b, len(h.sample_idx), h, variant)
             slot.compute_end.record(self.compute)
             slot.compute_done.record(self.compute)
         with torch.cuda.stream(self.d2h):
@@ -127,10 +157,15 @@ class CudaRunner:
             n = graph_b or len(h.sample_idx)
             slot.host_tokens[:n].copy_(slot.out_tokens[:n], non_blocking=True)
             slot.host_logprobs[:n].copy_(slot.out_logprobs[:n], non_blocking=True)
+            if variant[4]:
+                slot.host_top_ids[:n].copy_(slot.out_top_ids[:n], non_blocking=True)
+                slot.host_top_lps[:n].copy_(slot.out_top_lps[:n], non_blocking=True)
+            if prompt is not None:
+                prompt = prompt.to_host(non_blocking=True)
             slot.d2h_done.record(self.d2h)
         slot.used = True
         self._last_rows = dict(zip(h.sample_seq_ids, rows))
-        return CudaPendingStep(plan, slot, rows, decode, b, self.clock)
+        return CudaPendingStep(plan, slot, rows, decode, b, self.clock, h if variant[4] else None, prompt, graph_b)
 
     @property
     def compute_seconds(self) -> float | None:
@@ -138,16 +173,19 @@ class CudaRunner:
 
     def reset(self) -> None:
         self._last_rows = {}
+        self.penalties.reset()
 
     # ---- host side ---------------------------------------------------------------------------
     def _graph_size(self, h: HostInputs) -> int:
         """Padded batch size of a captured decode graph, or 0 for an eager step."""
-        if not (self.cuda_graphs and h.decode_only) or any(len(s) > self.shape.max_suppress for s in h.suppress):
+        if not (self.cuda_graphs and h.decode_only) or h.prompt is not None:
             return 0
-        i = bisect.bisect_left(self.graph_sizes, len(h.input_ids))
-        return self.graph_sizes[i] if i < len(self.graph_sizes) else 0
+        if any(len(s) > self.shape.max_suppress for s in h.suppress):
+            return 0
+        return padded_size(self.graph_sizes, len(h.input_ids))
 
-    def _fill(self, slot: IOSlot, h: HostInputs, graph_b: int, copies: list[tuple[int, int]]) -> list[int]:
+    def _fill(self, slot: IOSlot, h: HostInputs, graph_b: int, copies: list[tuple[int, int]],
+              pen_rows: list[int] | None) -> list[int]:
         """Write the step's inputs into the slot's pinned buffers; returns each sample's output row."""
         t, b = len(h.input_ids), len(h.seq_lens)
         tt, bb = (graph_b, graph_b) if graph_b else (t, b)
@@ -176,6 +214,8 @@ class CudaRunner:
             v("sample_idx")[: len(h.sample_idx)] = h.sample_idx
             n_rows = len(h.sample_idx)
         self._fill_sampling(slot, h, rows, n_rows)
+        if pen_rows is not None:
+            self._fill_penalties(slot, h, rows, n_rows, pen_rows)
         if copies:
             assert len(copies) <= self.shape.max_copies
             v("copy_src")[: len(copies)] = [s for s, _ in copies]
@@ -197,13 +237,24 @@ class CudaRunner:
             if h.suppress[j]:
                 sup[r, : len(h.suppress[j])] = h.suppress[j]
 
+    def _fill_penalties(self, slot: IOSlot, h: HostInputs, rows: list[int], n_rows: int,
+                        pen_rows: list[int]) -> None:
+        v = slot.host_view
+        hist_row, rep, pres, freq = v("hist_row"), v("repetition"), v("presence"), v("frequency")
+        hist_row[:n_rows], rep[:n_rows], pres[:n_rows], freq[:n_rows] = self.penalties.zero_row, 1.0, 0.0, 0.0
+        if rows:
+            at = slice(rows[0], rows[0] + len(rows)) if rows[-1] - rows[0] + 1 == len(rows) else rows
+            hist_row[at] = pen_rows
+            rep[at], pres[at], freq[at] = zip(*[sp.penalties or _NO_PENALTIES for sp in h.sample_plans])
+
     # ---- device side -------------------------------------------------------------------------
     def _copy_blocks(self, slot: IOSlot, n: int) -> None:
         copy_blocks(self.kv.layers, slot.dev_view("copy_src", n), slot.dev_view("copy_dst", n))
 
     def _forward(self, slot: IOSlot, t: int, b: int, n_rows: int, h: HostInputs | None,
-                 variant: tuple[bool, bool, bool]) -> None:
-        """Carry-over, forward and sampling on slot views; graph-capturable when ``h`` is None."""
+                 variant: tuple[bool, ...], count: bool = True) -> PromptLogprobs | None:
+        """Carry-over, forward and sampling on slot views; graph-capturable when ``h`` is None. ``count``:
+        add the samples to the penalty counts (not in a graph's eager warm-up, whose replay counts them)."""
         prev = self.slots[slot.index ^ 1].out_tokens
         carry = slot.dev_view("carry", t)
         ids = torch.where(carry >= 0, prev[carry.clamp(min=0)], slot.dev_view("input_ids", t))
@@ -220,20 +271,31 @@ class CudaRunner:
             if variant[2]:
                 suppress = slot.dev_view("suppress", n_rows * self.shape.max_suppress).view(
                     n_rows, self.shape.max_suppress)
-            sampling = make_sampling(lambda name, _dt: slot.dev_view(name, n_rows), suppress, variant)
+            pen = None
+            if variant[3]:
+                pen = Penalties(self.penalties.hist, *(slot.dev_view(name, n_rows) for name in
+                                                       ("hist_row", "repetition", "presence", "frequency")))
+            sampling = make_sampling(lambda name, _dt: slot.dev_view(name, n_rows), suppress, variant, pen,
+                                     self.num_top if variant[4] else 0)
         out = forward_and_sample(self.model, self.kv.layers, self.attn_backend, ids, meta,
-                                 slot.dev_view("sample_idx", n_rows), sampling)
-        if out is not None:  # None: a prefill chunk that samples nothing
-            slot.out_tokens[:n_rows].copy_(out[0])
-            slot.out_logprobs[:n_rows].copy_(out[1])
+                                 slot.dev_view("sample_idx", n_rows), sampling, h.prompt if h else None, count)
+        if out is None:
+            return None
+        if out.tokens is not None:  # None: a prefill chunk that samples nothing
+            slot.out_tokens[:n_rows].copy_(out.tokens)
+            slot.out_logprobs[:n_rows].copy_(out.logprobs)
+        if out.top_ids is not None:
+            slot.out_top_ids[:n_rows, : self.num_top].copy_(out.top_ids)
+            slot.out_top_lps[:n_rows, : self.num_top].copy_(out.top_lps)
+        return out.prompt
 
-    def _replay(self, slot: IOSlot, b: int, variant: tuple[bool, bool, bool], h: HostInputs) -> None:
+    def _replay(self, slot: IOSlot, b: int, variant: tuple[bool, ...], h: HostInputs) -> None:
         key = (slot.index, b, variant)
         graph = self.graphs.get(key)
         if graph is None:
             # Warm up eagerly (compiles Triton kernels; computes exactly what the replay recomputes),
             # then capture on the compute stream into the shared pool.
-            self._forward(slot, b, b, b, None, variant)
+            self._forward(slot, b, b, b, None, variant, count=False)
             if self.graph_pool is None:
                 self.graph_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
@@ -249,6 +311,7 @@ class CudaRunner:
         self.graphs.clear()
         self.graph_pool = None
         self.reset()
+        self.penalties.release()
 
     def restore(self) -> None:
         pass  # graphs are captured again, against ``kv.layers``, on first use

@@ -3,12 +3,28 @@ and for the memory profile, which sizes the graphs' memory pool before the graph
 
 from __future__ import annotations
 
-GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+import bisect
+
+# Padded decode batch sizes with a captured graph: dense where a padding row costs the most, every
+# 64 up to 512 (EngineConfig's default cap, vLLM's too), every 128 beyond for larger caps.
+GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 
 
 def graph_sizes(max_graph_batch_size: int, max_num_seqs: int) -> list[int]:
-    cap = min(max_graph_batch_size, max_num_seqs)
-    return [s for s in GRAPH_SIZES if s <= cap]
+    """Sizes to capture: those up to ``min(max_graph_batch_size, max_num_seqs)``, and that cap itself
+    when it falls between two (so a decode step of ``max_num_seqs`` sequences always has a graph when
+    ``max_graph_batch_size >= max_num_seqs``, and no graph is larger than the batch can be)."""
+    cap = min(max_graph_batch_size, max_num_seqs, GRAPH_SIZES[-1])
+    sizes = [s for s in GRAPH_SIZES if s <= cap]
+    if sizes[-1] != cap:
+        sizes.append(cap)
+    return sizes
+
+
+def padded_size(sizes: list[int], batch: int) -> int:
+    """The captured size a decode batch of ``batch`` sequences replays (padded up), or 0: eager."""
+    i = bisect.bisect_left(sizes, batch)
+    return sizes[i] if i < len(sizes) else 0
 
 
 def use_cuda_graphs(cuda_graphs: bool | None, backend: str) -> bool:

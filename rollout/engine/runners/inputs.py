@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollout.engine.plan import BatchPlan
+from rollout.engine.plan import BatchPlan, SeqPlan
 from rollout.layers.sampler import MODES
 
 
@@ -39,6 +39,10 @@ class HostInputs:
     max_query_len: int
     max_seq_len: int
     decode_only: bool
+    sample_plans: list[SeqPlan]  # the sampling rows' plans (top logprobs, penalties and their history)
+    num_top: int = 0  # most alternatives a sampling row asks for (0: none)
+    has_penalties: bool = False
+    prompt: PromptInputs | None = None  # prompt logprobs wanted by this step
 
     @property
     def all_greedy(self) -> bool:
@@ -49,15 +53,55 @@ class HostInputs:
         return any(self.suppress)
 
     @property
-    def sampler_variant(self) -> tuple[bool, bool, bool]:
-        """What selects a sampler code path (and a captured graph): greedy, filtered, suppressed ids."""
-        return (self.all_greedy, self.needs_filter, self.has_suppress)
+    def sampler_variant(self) -> tuple[bool, bool, bool, bool, bool]:
+        """What selects a sampler code path (and a captured graph): greedy, filtered, suppressed ids,
+        penalties, top logprobs."""
+        return (self.all_greedy, self.needs_filter, self.has_suppress, self.has_penalties, self.num_top > 0)
+
+
+@dataclass(slots=True)
+class PromptInputs:
+    """Prompt logprobs: the flat token indices whose logits score a prompt token, and each row's settings."""
+
+    idx: list[int]
+    targets: list[int]
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    min_p: list[float]
+    mode: list[int]
+    spans: list[tuple[int, int, int, int]]  # per sequence: (seq_id, first position, rows, alternatives)
+
+    @property
+    def num_top(self) -> int:
+        return max(k for *_, k in self.spans)
+
+    @property
+    def needs_filter(self) -> bool:
+        return any(k > 0 or p < 1.0 or m > 0.0 for k, p, m in zip(self.top_k, self.top_p, self.min_p))
+
+
+def _add_prompt_rows(h: HostInputs, sp: SeqPlan, base: int) -> None:
+    """Rows for the chunk positions prompt_first .. (input index = position - start_pos)."""
+    if h.prompt is None:
+        h.prompt = PromptInputs([], [], [], [], [], [], [], [])
+    pr, m = h.prompt, len(sp.prompt_targets)
+    off = base + sp.prompt_first - sp.start_pos
+    pr.idx.extend(range(off, off + m))
+    pr.targets.extend(sp.prompt_targets)
+    pr.temperature.extend([sp.temperature] * m)
+    pr.top_k.extend([sp.top_k] * m)
+    pr.top_p.extend([sp.top_p] * m)
+    pr.min_p.extend([sp.min_p] * m)
+    pr.mode.extend([MODES[sp.logprobs_mode]] * m)
+    pr.spans.append((sp.seq_id, sp.prompt_first, m, sp.prompt_top))
 
 
 def build_host_inputs(plan: BatchPlan, block_size: int) -> HostInputs:
-    if plan.decode_only:
+    if plan.decode_only and not plan.has_prompt_logprobs:
         return _build_decode(plan, block_size)
-    h = HostInputs([], [], [], [0], [], [], [], [], [], [], [], [], [], [], [], [], [], [], [], [], False, 0, 0, True)
+    h = HostInputs([], [], [], [0], [], [], [], [], [], [], [], [], [], [], [], [], [], [], [], [], False, 0, 0, True,
+                   [])
     for sp in plan.seqs:
         n = len(sp.input_ids)
         base = len(h.input_ids)
@@ -76,7 +120,12 @@ def build_host_inputs(plan: BatchPlan, block_size: int) -> HostInputs:
         h.max_query_len = max(h.max_query_len, n)
         h.max_seq_len = max(h.max_seq_len, sp.seq_len)
         h.decode_only = h.decode_only and n == 1
+        if sp.prompt_targets:
+            _add_prompt_rows(h, sp, base)
         if sp.sample:
+            h.sample_plans.append(sp)
+            h.num_top = max(h.num_top, sp.num_top_logprobs)
+            h.has_penalties = h.has_penalties or sp.penalties is not None
             h.sample_idx.append(base + n - 1)
             h.sample_seq.append(len(h.seq_lens) - 1)
             h.sample_seq_ids.append(sp.seq_id)
@@ -126,4 +175,7 @@ def _build_decode(plan: BatchPlan, bs: int) -> HostInputs:
         max_query_len=1,
         max_seq_len=max(pos) + 1 if pos else 0,
         decode_only=True,
+        sample_plans=ss,
+        num_top=max((sp.num_top_logprobs for sp in ss), default=0),
+        has_penalties=any(sp.penalties is not None for sp in ss),
     )

@@ -27,9 +27,10 @@ def _layout(shape: SlotShape) -> dict[str, dict[str, tuple[int, int]]]:
     groups = {
         "i64": [("input_ids", t), ("positions", t), ("slot_mapping", t), ("carry", t), ("sample_idx", b),
                 ("top_k", b), ("seed", b), ("position", b), ("mode", b), ("suppress", b * shape.max_suppress),
-                ("copy_src", shape.max_copies), ("copy_dst", shape.max_copies)],
+                ("copy_src", shape.max_copies), ("copy_dst", shape.max_copies), ("hist_row", b)],
         "i32": [("query_start_loc", b + 1), ("seq_lens", b), ("block_tables", b * shape.max_blocks)],
-        "f32": [("temperature", b), ("top_p", b), ("min_p", b)],
+        "f32": [("temperature", b), ("top_p", b), ("min_p", b), ("repetition", b), ("presence", b),
+                ("frequency", b)],
     }
     out: dict[str, dict[str, tuple[int, int]]] = {}
     for group, items in groups.items():
@@ -60,12 +61,26 @@ class IOSlot:
         self.out_logprobs = torch.zeros(shape.max_seqs, dtype=torch.float32, device=device)
         self.host_tokens = torch.zeros(shape.max_seqs, dtype=torch.int64, pin_memory=True)
         self.host_logprobs = torch.zeros(shape.max_seqs, dtype=torch.float32, pin_memory=True)
+        # top logprobs (allocated on first use: most engines never ask)
+        self.out_top_ids: torch.Tensor | None = None
+        self.out_top_lps: torch.Tensor | None = None
+        self.host_top_ids: torch.Tensor | None = None
+        self.host_top_lps: torch.Tensor | None = None
         self.h2d_done = torch.cuda.Event()
         self.compute_done = torch.cuda.Event()
         self.d2h_done = torch.cuda.Event()
         self.compute_start = torch.cuda.Event(enable_timing=True)
         self.compute_end = torch.cuda.Event(enable_timing=True)
         self.used = False  # events recorded at least once
+
+    def ensure_top(self, k: int) -> None:
+        if self.out_top_ids is None:
+            n = self.shape.max_seqs
+            self.out_top_ids = torch.zeros(n, k, dtype=torch.int64, device=self.device)
+            self.out_top_lps = torch.zeros(n, k, dtype=torch.float32, device=self.device)
+            self.host_top_ids = torch.zeros(n, k, dtype=torch.int64, pin_memory=True)
+            self.host_top_lps = torch.zeros(n, k, dtype=torch.float32, pin_memory=True)
+            torch.cuda.synchronize(self.device)  # zeroed before any stream uses them (once per slot)
 
     def host_view(self, name: str) -> np.ndarray:
         group, (off, n) = self._find(name)

@@ -87,7 +87,8 @@ def dummy_step(model: torch.nn.Module, kv_caches: list[torch.Tensor], backend: o
     st = _sampling(len(q_lens), device)
     if before_forward is not None:
         before_forward()
-    return forward_and_sample(model, kv_caches, backend, ids, meta, last, st)  # the runners' own step
+    out = forward_and_sample(model, kv_caches, backend, ids, meta, last, st)  # the runners' own step
+    return out.tokens, out.logprobs
 
 
 def _step_peak(model: torch.nn.Module, kv_caches: list[torch.Tensor], backend: object, q_lens: list[int],
@@ -121,6 +122,14 @@ def mixed_q_lens(config: EngineConfig, max_model_len: int) -> list[int]:
     return lens
 
 
+def decode_rows(config: EngineConfig, graphs: bool) -> tuple[int, int]:
+    """(rows of the eager decode step to measure, rows of the largest captured graph or 0). Both are
+    measured and added even when graphs cover every batch size up to ``max_num_seqs``: a step whose
+    suppressed ids outgrow the graphs' table still decodes eagerly, and graphs allocate from their own pool."""
+    graph_b = graph_sizes(config.max_graph_batch_size, config.max_num_seqs)[-1] if graphs else 0
+    return config.max_num_seqs, graph_b
+
+
 @torch.inference_mode()
 def measure_step_workspace(model: torch.nn.Module, config: EngineConfig, attn: AttentionSpec,
                            device: torch.device, max_model_len: int, dummy_caches: list[torch.Tensor]) -> int:
@@ -129,14 +138,13 @@ def measure_step_workspace(model: torch.nn.Module, config: EngineConfig, attn: A
     backend = attn.build()
     graphs = use_cuda_graphs(config.cuda_graphs, attn.backend)
     max_blocks = -(-max_model_len // config.block_size)
-    seqs = config.max_num_seqs
+    seqs, graph_b = decode_rows(config, graphs)
     # Each tensor-parallel rank sizes its own cache alone: its collectives must not wait for peers.
     with local_collectives(model):
         eager = max(
             _step_peak(model, dummy_caches, backend, [1] * seqs, max_blocks, device),
             _step_peak(model, dummy_caches, backend, mixed_q_lens(config, max_model_len), max_blocks, device),
         )
-        graph_b = max(graph_sizes(config.max_graph_batch_size, config.max_num_seqs), default=0) if graphs else 0
         pool = _step_peak(model, dummy_caches, backend, [1] * graph_b, max_blocks, device) if graph_b else 0
     torch.cuda.empty_cache()
     need = eager + pool

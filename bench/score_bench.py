@@ -1,0 +1,94 @@
+"""GPU benchmark of ``Engine.score``: teacher-forced logprobs of 256 sequences of 4K tokens against the
+engine's own prefill of the same tokens (issue 21's bar: score throughput >= 0.8 of prefill's).
+
+Both runs go through the same engine (bf16, random-init model with a real shape, prefix caching off so
+neither run reuses the other's blocks): ``prefill`` is ``generate(..., max_tokens=1)`` (every token
+computed, one sampled), ``score`` is ``score(...)`` (every token computed, each next token's logprob
+from the lm_head over every position). Prints JSON lines (and appends them to ``--out``).
+
+    python bench/score_bench.py --out $OUT/score_bench.jsonl         # qwen2.5-1.5b, 256 x 4096
+    python bench/score_bench.py --seqs 32 --len 1024                 # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from rollout import Engine, SamplingParams  # noqa: E402
+
+BAR = 0.8
+
+
+def load_bench_script():
+    """scripts/bench.py's presets and model builder (random-init HF model with real shapes, bf16)."""
+    spec = importlib.util.spec_from_file_location("bench_script", ROOT / "scripts" / "bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="qwen2.5-1.5b")
+    p.add_argument("--seqs", type=int, default=256)
+    p.add_argument("--len", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--top-logprobs", type=int, default=0, help="also time score(..., top_logprobs=k)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("score_bench.py needs a CUDA GPU")
+    bench = load_bench_script()
+    hf = bench.build_hf(args.preset)
+    vocab = hf.config.vocab_size
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(100, vocab - 100, (args.len,), generator=gen).tolist() for _ in range(args.seqs)]
+    engine = Engine.from_pretrained(hf, dtype="bfloat16", max_model_len=args.len + 16, enable_prefix_caching=False,
+                                    max_num_seqs=args.seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    # warm-up: Triton kernels compile, graphs capture, allocator settles
+    engine.generate([s[:600] for s in seqs[:4]], one)
+    engine.score([s[:600] for s in seqs[:4]], top_logprobs=args.top_logprobs)
+    tokens = args.seqs * args.len
+    runs = {"prefill": lambda: engine.generate(seqs, one), "score": lambda: engine.score(seqs)}
+    if args.top_logprobs:
+        runs[f"score_top{args.top_logprobs}"] = lambda: engine.score(seqs, top_logprobs=args.top_logprobs)
+    best = {name: min(timed(fn) for _ in range(args.reps)) for name, fn in runs.items()}
+    commit = bench._commit()
+    for name, wall in best.items():
+        rec = dict(bench="score", run=name, preset=args.preset, seqs=args.seqs, len=args.len, wall_s=round(wall, 3),
+                   tok_s=round(tokens / wall, 1), timestamp=datetime.datetime.now(datetime.UTC).isoformat(),
+                   device=torch.cuda.get_device_name(), commit=commit)
+        if name != "prefill":
+            rec["vs_prefill"] = round(best["prefill"] / wall, 3)  # throughput ratio
+            rec["bar"] = BAR
+            rec["meets_bar"] = rec["vs_prefill"] >= BAR
+        line = json.dumps(rec)
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
