@@ -34,3 +34,5 @@ class RequestOutput:
     # the tokens before it (the first is None), and per token its k most likely alternatives.
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Prompt tokens whose KV came from the prefix cache at the request's first scheduling (vLLM's name)
+    num_cached_tokens: int = 0

@@ -169,8 +169,10 @@ class RolloutClient:
         outs = [CompletionOutput(c["index"] % p.n, c["token_ids"], c["logprobs"]["token_logprobs"],
                                  c["finish_reason"], c["text"], c["policy_versions"], c.get("stop_reason"))
                 for c in resp["choices"]]
+        details = (resp.get("usage") or {}).get("prompt_tokens_details") or {}
         return RequestOutput(resp["id"], resp["choices"][0]["prompt_token_ids"], outs,
-                             prompt if isinstance(prompt, str) else None, True)
+                             prompt if isinstance(prompt, str) else None, True,
+                             num_cached_tokens=int(details.get("cached_tokens", 0)))
 
     # ---- weights ---------------------------------------------------------------------------------------
     def init_weight_transfer(self, device: torch.device | str = "cpu", master_address: str | None = None,

@@ -248,8 +248,10 @@ class Engine:
                 out.text = decode_output(self.tokenizer, out.token_ids, seq.params, seq.stop_reason)
             outs.append(out)
         plp, ptop = request.prompt_logprobs, request.prompt_top_logprobs  # copies: a running request's still fill
+        cached = min(max(0, request.seqs[0].num_first_cached_tokens), len(request.prompt_token_ids))
         return RequestOutput(request.request_id, request.prompt_token_ids, outs, request.prompt, finished,
-                             None if plp is None else list(plp), None if ptop is None else list(ptop))
+                             None if plp is None else list(plp), None if ptop is None else list(ptop),
+                             num_cached_tokens=cached)
 
     def generate(self, prompts: object, sampling_params: object = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Run the prompts to completion; outputs in prompt order. Safe to call from several threads

@@ -210,6 +210,8 @@ class Scheduler:
     def _start(self, seq: Sequence, n: int, chosen: list[tuple[Sequence, int]], admitted: set[int]) -> None:
         self._remove(self.waiting, seq)
         seq.status = SequenceStatus.RUNNING
+        if seq.num_first_cached_tokens < 0:
+            seq.num_first_cached_tokens = seq.num_cached_tokens
         self._insert(self.running, seq)
         admitted.add(seq.seq_id)
         chosen.append((seq, n))

@@ -36,7 +36,8 @@ class Sequence:
     arrival: int  # admission order; preemption takes the newest first
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (or being written this step)
-    num_cached_tokens: int = 0  # tokens found in the prefix cache when first allocated
+    num_cached_tokens: int = 0  # tokens found in the prefix cache when last allocated
+    num_first_cached_tokens: int = -1  # num_cached_tokens at its first admission (-1: not admitted yet)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full, known blocks
     logprobs: list[float] = field(default_factory=list)

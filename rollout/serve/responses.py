@@ -93,10 +93,13 @@ def prompt_logprobs(render: Render, out: Any) -> list[Any] | None:
     return body
 
 
-def usage(outs: list[Any]) -> dict[str, int]:
+def usage(outs: list[Any]) -> dict[str, Any]:
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache held."""
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(int(getattr(o, "num_cached_tokens", 0) or 0) for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def completion_body(req: Any, outs: list[Any], model: str, render: Render, echo_only: bool = False

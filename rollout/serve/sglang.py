@@ -82,7 +82,7 @@ async def _run(st: ServerState, request: Request, ids: list[list[int]], params: 
         raise APIError(499, "client disconnected")
     try:
         return results.result()
-    except asyncio.CancelledError:  # aborted (POST /abort_request): SGLang answers with finish_reason abort
+    except asyncio.CancelledError:  # cancelled in the loop (not by /abort_request, which answers abort)
         raise APIError(499, "request aborted") from None
     except (TypeError, ValueError) as e:
         raise APIError(400, str(e)) from None
@@ -167,7 +167,8 @@ def _stream(st: ServerState, req: GenerateRequest, ids: list[list[int]], params:
                         item = {"text": c.text, "output_ids": c.token_ids,
                                 "meta_info": {"id": rids[i], "finish_reason": None,
                                               "prompt_tokens": len(out.prompt_token_ids),
-                                              "completion_tokens": len(c.token_ids)}}
+                                              "completion_tokens": len(c.token_ids),
+                                              "cached_tokens": int(getattr(out, "num_cached_tokens", 0) or 0)}}
                     item["index"] = i * n + c.index
                     yield f"data: {json.dumps(item)}\n\n"
             yield "data: [DONE]\n\n"
@@ -236,5 +237,8 @@ async def abort_request(request: Request) -> dict[str, Any]:
     rid = raw.get("rid")
     if not isinstance(rid, str) or not rid:
         raise APIError(400, "abort_request needs rid (a request id) or abort_all=true", param="rid")
-    st.loop.abort(rid)
+    # Finished in the engine, not cancelled in the loop: the caller's future then resolves with the tokens so far
+    # and finish_reason "abort" (SGLang's answer) at the next step boundary; while generation is paused, when
+    # it continues. An unknown or finished rid is ignored, as SGLang does.
+    await st.run(lambda: st.engine.abort(rid))
     return {"success": True}

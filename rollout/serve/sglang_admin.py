@@ -21,6 +21,7 @@ from rollout.serve.sglang_protocol import DestroyGroup, InitGroup, PauseGenerati
 from rollout.serve.state import state
 from rollout.weights.group import PushRejected, TransferError
 from rollout.weights.layout import make_specs
+from rollout.weights.torch_group import RendezvousUnreachable
 
 router = APIRouter()
 
@@ -81,7 +82,7 @@ async def init_weights_update_group(request: Request) -> dict[str, Any]:
     try:
         await asyncio.to_thread(st.receiver.join_named, address, body.master_port, body.world_size,
                                 body.rank_offset, body.group_name, body.backend, timeout_s)
-    except ValueError as e:
+    except (ValueError, RendezvousUnreachable) as e:  # our own checks; nobody at the rendezvous (within seconds)
         raise APIError(400, str(e)) from None
     except Exception as e:  # noqa: BLE001 - the rendezvous or the group could not be reached
         if isinstance(e, RuntimeError) and "in progress" in str(e):

@@ -10,10 +10,20 @@ the metadata names them.
 from __future__ import annotations
 
 import datetime
+import socket
+import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+
+# Reaching the trainer's store: slime sends /init_weights_update_group, then starts its rank 0 (which listens at
+# once), so a few seconds cover the race; nobody listening by then fails with this, not the group's timeout.
+CONNECT_S = 5.0
+
+
+class RendezvousUnreachable(ConnectionError):
+    """Nothing accepts connections at the group's ``master_address:master_port``."""
 
 
 class NamedGroup:
@@ -32,6 +42,7 @@ class NamedGroup:
                              "destroy it first (POST /destroy_weights_update_group)")
         timeout = datetime.timedelta(seconds=timeout_s)
         host = f"[{master_address}]" if ":" in master_address else master_address
+        wait_listening(master_address, master_port, min(timeout_s, CONNECT_S), group_name)
         store, rank, world_size = next(rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=timeout))
         store.set_timeout(timeout)
         self.device = device if backend == "nccl" else torch.device("cpu")
@@ -50,6 +61,24 @@ class NamedGroup:
                 dist.destroy_process_group(pg)
             except Exception:  # noqa: BLE001 - best effort on a group that may be broken already
                 pass
+
+
+def wait_listening(address: str, port: int, within_s: float, group_name: str) -> None:
+    """Return once something accepts TCP connections at ``address:port`` (a TCPStore ignores a probe that
+    connects and closes); RendezvousUnreachable after ``within_s`` otherwise."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            with socket.create_connection((address, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise RendezvousUnreachable(
+                    f"nobody is listening at {address}:{port} for weight-update group {group_name!r} (waited "
+                    f"{within_s:g} s): the trainer's rank 0 must create the group there (slime: "
+                    "init_process_group / SGLang's init_custom_process_group with this master_address, master_port "
+                    "and group_name) while or before this request runs") from None
+            time.sleep(0.1)
 
 
 def _new_group(world_size: int, rank: int, backend: str, store: PrefixStore, group_name: str,
