@@ -97,12 +97,12 @@ def build_model(w: dict, device: str) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
 
 
-def make_engine(hf: torch.nn.Module, w: dict, device: str, prefix_cache: bool = True) -> Engine:
+def make_engine(hf: torch.nn.Module, w: dict, device: str, prefix_cache: bool = True, hold: int = 0) -> Engine:
     per_conv = w["prompt_len"] + w["turns"] * w["turn_tokens"] + (w["turns"] - 1) * w["reply"][1] + 16
     blocks = int(w["conversations"] * -(-per_conv // 16) * 1.1) + 64
     eng = Engine.from_pretrained(hf, dtype="float32" if device == "cpu" else "bfloat16", device=device,
                                  max_model_len=per_conv + 16, max_num_seqs=w["conversations"], num_blocks=blocks,
-                                 block_size=16, enable_prefix_caching=prefix_cache)
+                                 block_size=16, enable_prefix_caching=prefix_cache, turn_prefill_hold_steps=hold)
     warm = [[1] * 8] * w["conversations"]
     eng.generate(warm, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
     for b in sorted(getattr(eng.runner, "graph_sizes", []) or [], reverse=True):  # capture every decode size
@@ -168,12 +168,13 @@ def _kw(p: SamplingParams) -> dict:
 
 
 def measure(mode: str, hf: torch.nn.Module, w: dict, device: str) -> dict:
-    eng = make_engine(hf, w, device, prefix_cache=mode != "turn_sync_nocache")
+    hold = int(mode.removeprefix("env_loop_hold")) if mode.startswith("env_loop_hold") else 0
+    eng = make_engine(hf, w, device, prefix_cache=mode != "turn_sync_nocache", hold=hold)
     before = eng.get_stats()
     if device == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    counts = (run_env_loop if mode == "env_loop" else run_turn_sync)(eng, w)  # turn_sync*: the same loop
+    counts = (run_env_loop if mode.startswith("env_loop") else run_turn_sync)(eng, w)  # turn_sync*: one loop
     if device == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
@@ -207,8 +208,8 @@ def run(tiny: bool, modes: list[str], out: str | None) -> list[dict]:
     recs = [measure(m, hf, w, device) for m in modes]
     by = {r["mode"]: r for r in recs}
     for base in ("turn_sync", "turn_sync_nocache"):
-        if "env_loop" in by and base in by:
-            by["env_loop"][f"vs_{base}"] = round(by["env_loop"]["tok_s"] / by[base]["tok_s"], 3)
+        for loop in (m for m in by if m.startswith("env_loop") and base in by):
+            by[loop][f"vs_{base}"] = round(by[loop]["tok_s"] / by[base]["tok_s"], 3)
     for r in recs:
         line = json.dumps(r)
         print(line, flush=True)
@@ -235,7 +236,8 @@ def _commit() -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (a smoke run of both modes)")
-    p.add_argument("--modes", default="env_loop,turn_sync,turn_sync_nocache")
+    p.add_argument("--modes", default="env_loop,env_loop_hold8,turn_sync,turn_sync_nocache",
+                   help="env_loop_hold<K>: the engine loop with engine.turn_prefill_hold_steps=K")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not args.tiny and not torch.cuda.is_available():

@@ -13,12 +13,13 @@ def test_w4_tiny_runs_both_modes(tmp_path) -> None:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     out = tmp_path / "w4.jsonl"
-    recs = module.run(True, ["env_loop", "turn_sync", "turn_sync_nocache"], str(out))
-    loop, sync, nocache = recs
-    assert loop["mode"] == "env_loop" and sync["mode"] == "turn_sync"
+    recs = module.run(True, ["env_loop", "env_loop_hold4", "turn_sync", "turn_sync_nocache"], str(out))
+    loop, held, sync, nocache = recs
+    assert loop["mode"] == "env_loop" and held["mode"] == "env_loop_hold4" and sync["mode"] == "turn_sync"
+    assert held["model_tokens"] == loop["model_tokens"] and held["prefill_over_given"] == 1.0
     assert loop["model_tokens"] == sync["model_tokens"] == 8 * 3 * 12
     assert loop["prefill_over_given"] == 1.0 and loop["preemptions"] == 0
     assert sync["prefill_tokens"] > sync["given_tokens"]  # the turn-synchronous loop re-prefills partial blocks
     assert nocache["prefix_cached_tokens"] == 0 and nocache["prefill_tokens"] > sync["prefill_tokens"]
-    assert "vs_turn_sync" in loop and "vs_turn_sync_nocache" in loop and len(out.read_text().splitlines()) == 3
+    assert "vs_turn_sync" in loop and "vs_turn_sync_nocache" in loop and len(out.read_text().splitlines()) == 4
     assert "W4" in load_script("bench").MULTITURN

@@ -36,6 +36,7 @@ WATERMARK_STEPS = 2  # admission keeps a block for each running sequence crossin
 class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
+    turn_prefill_hold_steps: int = 0  # a resumed conversation's given tokens wait up to this many steps (turns.py)
 
 
 class Scheduler:
@@ -120,6 +121,7 @@ class Scheduler:
         swap_in: list[tuple[int, int]] = []
         self._swap_out, self._swapped_now = [], []
         preempted = False
+        held: list[Sequence] = []
         for seq in list(self.running):
             if len(chosen) >= self.limits.max_num_seqs or budget == 0:
                 break
@@ -127,6 +129,9 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = self._num_new_tokens(seq, budget)
             if n == 0:
+                continue
+            if n > 1 and seq.hold_until > self._step_id:
+                held.append(seq)  # a conversation's given tokens: batched with others' (below)
                 continue
             if n == 1 and self._fits_in_last_block(seq):
                 chosen.append((seq, 1))  # the common decode step: no block-manager work at all
@@ -144,6 +149,8 @@ class Scheduler:
                 budget -= n
         if not preempted:
             budget = self._admit(chosen, copies, swap_in, budget)
+        if held and (not chosen or any(n > 1 for _, n in chosen)):
+            budget = self._release_held(held, chosen, copies, budget)
         if not chosen:
             for seq in self._swapped_now:  # no step runs the copies: recompute these instead
                 self.block_manager.free(seq, register=False)
@@ -153,6 +160,18 @@ class Scheduler:
         plan.swap_out, plan.swap_in = self._swap_out, swap_in
         self.num_swapped_out_blocks += len(self._swap_out)
         return plan
+
+    def _release_held(self, held: list[Sequence], chosen: list[tuple[Sequence, int]], copies: list[tuple[int, int]],
+                      budget: int) -> int:
+        """Held given tokens join a step that computes more than one token for some sequence anyway (so runs
+        eagerly, not from a decode graph), or one that would otherwise have nothing to run."""
+        for seq in held:
+            n = self._num_new_tokens(seq, budget) if len(chosen) < self.limits.max_num_seqs else 0
+            if n and self.block_manager.can_append(seq, n):
+                copies += self.block_manager.append_slots(seq, n)
+                chosen.append((seq, n))
+                budget -= n
+        return budget
 
     def _watermark(self, chosen: list[tuple[Sequence, int]]) -> int:
         """Blocks to keep free: one per chosen sequence whose next ``WATERMARK_STEPS`` tokens leave its table."""

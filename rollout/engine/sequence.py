@@ -56,6 +56,7 @@ class Sequence:
     # Multi-turn (engine/turns.py): a turn's end parks the sequence with its KV instead of freeing it.
     keep_kv: bool = False
     park_step: int = -1  # the newest step planned when it parked: samples of steps <= it are stale
+    hold_until: int = 0  # its given tokens wait for other work until this step id (turn_prefill_hold_steps)
     decode_pos: int = -1  # index of the newest sampled token: computing it is decode, not prefill
 
     @property

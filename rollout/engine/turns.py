@@ -7,6 +7,10 @@ the same sequence as given tokens (logprob 0.0, not sampled) and puts it back am
 the next step computes only the reply's tokens and generation continues from the resident KV: no turn
 re-prefills the conversation before it. ``end`` frees a finished conversation.
 
+A step that computes given tokens runs eagerly (decode graphs hold one token a sequence), so with
+``engine.turn_prefill_hold_steps`` = K a resumed reply waits up to K steps for others to batch with it,
+joining earlier any step that is not pure decode anyway.
+
 Parked KV is dropped only when it must be: new weights (``update_weights`` recomputes running sequences, and
 conversations between turns with them), a failed step, or ``make_room`` when parked conversations hold the
 blocks the waiting ones need; a resume then recomputes the context, and ``EngineStats.num_prefill_tokens``
@@ -83,6 +87,7 @@ class Conversations:
             sched.requests[request_id] = request
             sched.seqs[seq.seq_id] = seq
             if seq.block_table:  # resident KV: compute the reply next step, like a running prefill chunk
+                seq.hold_until = sched._step_id + sched.limits.turn_prefill_hold_steps
                 seq.status = SequenceStatus.RUNNING
                 sched._insert(sched.running, seq)
             else:  # evicted or swapped: admitted again (recompute, or swap-in)

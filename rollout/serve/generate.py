@@ -108,39 +108,39 @@ async def _request_template(st: ServerState, req: ChatCompletionRequest) -> list
     return list(await asyncio.to_thread(lambda: tok(text, add_special_tokens=False)["input_ids"]))
 
 
-def _submit(st: ServerState, ids: list[list[int]], params: Any, stream: StreamFeed | None, priority: int = 0
-            ) -> tuple[list[str], list[asyncio.Future]]:
-    """Queue every prompt; awaitable futures of their outputs, or (``stream``) their outputs fed to it.
-    ``priority``: vLLM's, lower is served first."""
-    st.check_room(len(ids) * params.n)  # no await between this check and the submits: it holds
+def submit(st: ServerState, ids: list[list[int]], params: Any, stream: StreamFeed | None = None, priority: int = 0,
+           rids: list[str] | None = None) -> tuple[list[str], list[asyncio.Future]]:
+    """Queue every prompt (``params``: one for all, or one per prompt; ``rids``: the request ids, else new
+    ones); awaitable futures of their outputs, or (``stream``) their outputs fed to it. ``priority``: vLLM's,
+    lower is served first. Nothing stays queued when one is refused (400, or 503 with the loop down)."""
+    each = params if isinstance(params, list) else [params] * len(ids)
+    st.check_room(sum(p.n for p in each))  # no await between this check and the submits: it holds
     aloop = asyncio.get_running_loop()
-    rids, futs = [], []
+    rids = list(rids) if rids is not None else [uuid.uuid4().hex for _ in ids]
+    futs: list[asyncio.Future] = []
     try:
-        for i, prompt in enumerate(ids):
-            rid = uuid.uuid4().hex
+        for i, (prompt, p, rid) in enumerate(zip(ids, each, rids)):
             if stream is None:
-                futs.append(asyncio.wrap_future(st.loop.submit(prompt, params, rid, priority=priority), loop=aloop))
+                futs.append(asyncio.wrap_future(st.loop.submit(prompt, p, rid, priority=priority), loop=aloop))
             else:
-                st.loop.submit(prompt, params, rid, on_partial=stream.partial(i), priority=priority
+                st.loop.submit(prompt, p, rid, on_partial=stream.partial(i), priority=priority
                                ).add_done_callback(stream.final(i))
-            rids.append(rid)
     except (TypeError, ValueError) as e:
-        _abort(st, rids)
+        abort(st, rids)
         raise APIError(400, str(e)) from None
     except RuntimeError as e:
-        _abort(st, rids)
+        abort(st, rids)
         raise APIError(503, str(e)) from None
     return rids, futs
 
 
-def _abort(st: ServerState, rids: list[str]) -> None:
+def abort(st: ServerState, rids: list[str]) -> None:
     for rid in rids:
         st.loop.abort(rid)
 
 
-async def _generate(st: ServerState, request: Request, ids: list[list[int]], params: Any, priority: int = 0
-                    ) -> list[Any]:
-    rids, futs = _submit(st, ids, params, None, priority)
+async def outputs(request: Request, st: ServerState, rids: list[str], futs: list[asyncio.Future]) -> list[Any]:
+    """The submitted requests' outputs; a client that goes away aborts them (499)."""
     results = asyncio.ensure_future(asyncio.gather(*futs))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -149,14 +149,21 @@ async def _generate(st: ServerState, request: Request, ids: list[list[int]], par
         gone.cancel()
     if not results.done():  # the client went away: free the engine's slots
         results.cancel()
-        _abort(st, rids)
+        abort(st, rids)
         raise APIError(499, "client disconnected")
     try:
         return results.result()
+    except asyncio.CancelledError:  # aborted in the loop (SGLang's /abort_request answers abort instead)
+        raise APIError(499, "request aborted") from None
     except (TypeError, ValueError) as e:  # the engine refused it after all (its checks ran here first)
         raise APIError(400, str(e)) from None
     except RuntimeError as e:
         raise APIError(503, f"generation failed: {e}") from None
+
+
+async def _generate(st: ServerState, request: Request, ids: list[list[int]], params: Any, priority: int = 0
+                    ) -> list[Any]:
+    return await outputs(request, st, *submit(st, ids, params, None, priority))
 
 
 async def _disconnected(request: Request) -> None:
@@ -170,7 +177,7 @@ def _stream(st: ServerState, req: Any, ids: list[list[int]], params: Any, render
             ) -> StreamingResponse:
     chunks = StreamChunks(req, len(ids), params.n, st.model_name, render, chat)
     feed = StreamFeed(st.poster(), st.settings.stream_buffer_tokens, chunks)
-    rids, _ = _submit(st, ids, params, feed, req.priority or 0)
-    feed.on_overflow = lambda: _abort(st, rids)
+    rids, _ = submit(st, ids, params, feed, req.priority or 0)
+    feed.on_overflow = lambda: abort(st, rids)
     events = stream_events(req, feed, len(ids))
     return StreamingResponse(events, media_type="text/event-stream")

@@ -18,7 +18,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from rollout.serve.errors import APIError
-from rollout.serve.generate import _abort, _disconnected
+from rollout.serve.generate import abort as _abort
+from rollout.serve.generate import outputs, submit
 from rollout.serve.params import make_params
 from rollout.serve.sglang_protocol import GenerateRequest, sampling_base, sampling_extras
 from rollout.serve.state import ServerState, state
@@ -57,37 +58,7 @@ def _params(st: ServerState, req: GenerateRequest, sp: dict[str, Any]) -> Any:
 
 async def _run(st: ServerState, request: Request, ids: list[list[int]], params: list[Any], rids: list[str]
                ) -> list[Any]:
-    st.check_room(sum(p.n for p in params))
-    aloop = asyncio.get_running_loop()
-    futs, submitted = [], []
-    try:
-        for prompt, p, rid in zip(ids, params, rids):
-            futs.append(asyncio.wrap_future(st.loop.submit(prompt, p, rid), loop=aloop))
-            submitted.append(rid)
-    except (TypeError, ValueError) as e:
-        _abort(st, submitted)
-        raise APIError(400, str(e)) from None
-    except RuntimeError as e:
-        _abort(st, submitted)
-        raise APIError(503, str(e)) from None
-    results = asyncio.ensure_future(asyncio.gather(*futs))
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait([results, gone], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if not results.done():
-        results.cancel()
-        _abort(st, rids)
-        raise APIError(499, "client disconnected")
-    try:
-        return results.result()
-    except asyncio.CancelledError:  # cancelled in the loop (not by /abort_request, which answers abort)
-        raise APIError(499, "request aborted") from None
-    except (TypeError, ValueError) as e:
-        raise APIError(400, str(e)) from None
-    except RuntimeError as e:
-        raise APIError(503, f"generation failed: {e}") from None
+    return await outputs(request, st, *submit(st, ids, params, rids=rids))
 
 
 def _triples(ids: list[int], lps: list[Any], tok: Any, with_text: bool) -> list[list[Any]]:
