@@ -46,6 +46,19 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def profile(fn) -> dict:
+    """Kernel time against wall for one run, and the kernels that take the most of it."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        wall = timed(fn)
+    kernels = sorted(((e.key, e.device_time_total) for e in prof.key_averages()), key=lambda kv: -kv[1])
+    total_us = sum(t for _, t in kernels)
+    return dict(wall_s=round(wall, 3), kernel_s=round(total_us / 1e6, 3), busy=round(total_us / 1e6 / wall, 3),
+                top=[(k[:80], round(t / 1e3, 1)) for k, t in kernels[:12]])  # (kernel, ms)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen2.5-1.5b")
@@ -55,6 +68,8 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", action="store_true",
+                   help="also run each once under torch.profiler: kernel time vs wall, and the top kernels")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("score_bench.py needs a CUDA GPU")
@@ -75,6 +90,9 @@ def main() -> None:
         runs[f"score_top{args.top_logprobs}"] = lambda: engine.score(seqs, top_logprobs=args.top_logprobs)
     best = {name: min(timed(fn) for _ in range(args.reps)) for name, fn in runs.items()}
     commit = bench._commit()
+    if args.profile:
+        for name, fn in runs.items():
+            print(json.dumps(dict(bench="score_profile", run=name, commit=commit, **profile(fn))), flush=True)
     for name, wall in best.items():
         rec = dict(bench="score", run=name, preset=args.preset, seqs=args.seqs, len=args.len, wall_s=round(wall, 3),
                    tok_s=round(tokens / wall, 1), timestamp=datetime.datetime.now(datetime.UTC).isoformat(),
