@@ -212,7 +212,7 @@ class AsyncEngine:
             with self._cv:
                 self.error, self._stopping = e, True
         self._fail_pending()
-        self._stop_streamer(None)
+        self._stop_streamer(10.0)  # a listener stuck for good must not hang the closing thread
 
     def _serve(self) -> None:
         if self._cuda_index is not None:
