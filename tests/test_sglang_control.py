@@ -94,3 +94,19 @@ def test_abort_request_while_paused_answers_once_generation_continues(client):
     caller.join(60)
     item = answers["r"].json()
     assert item["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(item["output_ids"]) < 400
+
+
+def test_init_weight_transfer_with_nobody_at_the_address_fails_within_seconds(client):
+    """Ours and TRL/vLLM's init (``/init_weight_transfer_engine``) too: before, ~35 s (TCPStore retries)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    body = {"master_address": "127.0.0.1", "master_port": port, "world_size": 2, "rank_offset": 1,
+            "backend": "gloo", "timeout_s": 60}
+    t0 = time.monotonic()
+    r = client.post("/init_weight_transfer", json=body)
+    elapsed = time.monotonic() - t0
+    assert r.status_code == 400 and f"127.0.0.1:{port}" in r.json()["error"]["message"], r.text
+    assert elapsed < 10, f"took {elapsed:.1f} s"

@@ -16,10 +16,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from rollout.weights.torch_group import wait_listening
+
 PROTOCOL_KEY = "rollout-weights/protocol"  # set by the trainer before anyone joins: says the handshake is ours
 VLLM_KEY = "broadcast_from/0/0"  # vLLM's StatelessProcessGroup: rank 0's NCCL unique id (TRL, vLLM's trainer_init)
 CONNECT_S = 15.0  # reaching the trainer's store
 HANDSHAKE_S = 10.0  # and learning whose handshake it is: a foreign or silent store fails within this
+LISTEN_S = 5.0  # something must accept connections at the trainer's address within this
 
 
 class ForeignHandshake(ValueError):
@@ -93,6 +96,8 @@ class TransferGroup:
         ForeignHandshake with the store, anything else ValueError: never a wait of ``timeout_s``."""
         if not 1 <= rank < world_size:
             raise ValueError(f"a receiver's rank must be in [1, world_size={world_size}), got {rank}")
+        # nobody listening: fail in seconds (TCPStore itself retries its connect timeout, ~35 s)
+        wait_listening(master_address, master_port, min(timeout_s, LISTEN_S), "rollout-weights")
         store = dist.TCPStore(master_address, master_port, world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=min(timeout_s, CONNECT_S)))
         store.set_timeout(datetime.timedelta(seconds=timeout_s))
