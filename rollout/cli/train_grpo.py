@@ -80,7 +80,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         setup.check("trainer", self.trainer in TRAINERS, self.trainer,
                     f"one of {list(TRAINERS)} (PPO, with train.env / train.tools too, is scripts/train_ppo.py)")
-        check_tool_keys(self)
+        setup.check_env_keys(self)
         setup.check_common(self)
         setup.check("beta", setup.is_num(self.beta) and self.beta >= 0, self.beta, "a number >= 0")
         if self.trainer == "async_grpo":
@@ -88,22 +88,6 @@ class TrainConfig:
             setup.check("sleep_level", self.sleep_level == 0, self.sleep_level,
                         "0 with train.trainer=async_grpo (the engine generates while the trainer trains)")
         setup.check("grpo", isinstance(self.grpo, dict), self.grpo, "a mapping of GRPOConfig fields")
-
-
-def check_tool_keys(train: TrainConfig) -> None:
-    from rollout.envs.protocol import _SPEC
-
-    setup.check("env", train.env is None or (isinstance(train.env, str) and bool(_SPEC.match(train.env))), train.env,
-                "null or an import path 'package.module:factory'")
-    tools = list(train.tools)
-    setup.check("tools", all(isinstance(t, str) and _SPEC.match(t) for t in tools), tools,
-                "a list of import paths 'package.module:function'")
-    t = train.tool_timeout_s
-    setup.check("tool_timeout_s", setup.is_num(t) and t > 0, t, "a number of seconds > 0")
-    m = train.max_turn_tokens
-    setup.check("max_turn_tokens", m is None or (setup.is_int(m) and m >= 1), m, "an int >= 1 or null")
-    if train.reward == "env" and not train.env:
-        setup.check("reward", False, train.reward, "a reward name or path ('env' needs train.env)")
 
 
 ROLLOUT_MODES = ("engine", "partial", "server")
