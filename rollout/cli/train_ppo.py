@@ -57,8 +57,8 @@ class TrainConfig:
     max_tool_calling_iterations: int | None = None  # model turns - 1 (TRL's name); null = until no tool call
 
     def __post_init__(self) -> None:
+        setup.check_env_keys(self)  # first: train.reward=env without train.env is named as such
         setup.check_common(self)
-        setup.check_env_keys(self)
         m = self.max_tool_calling_iterations
         setup.check("max_tool_calling_iterations", m is None or (setup.is_int(m) and m >= 0), m,
                     "an int >= 0 or null")
