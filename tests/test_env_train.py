@@ -217,6 +217,8 @@ def _run(script: str, tmp_path, tok, *keys: str):
     (("train.tools=[tests.test_trl_tools:add]", "train.reward=digit_fraction",
       "+train.grpo.max_tool_calling_iterations=1"), None),
     (("train.env=tests.env_fixtures:ThreeTurns", "train.reward=env", "sampling.max_tokens=96"), 3.0),  # a step env
+    (("train.env=tests.test_trl_tools:AdderEnv", "train.reward=env", "+train.grpo.max_tool_calling_iterations=1",
+      "rollout.mode=partial", "rollout.max_staleness=1"), 1.0),
 ])
 def test_train_grpo_async_with_env(tmp_path, tok, scripted, keys, reward) -> None:
     lines = _run("train_grpo", tmp_path, tok, "train.trainer=async_grpo", *keys)
@@ -231,6 +233,9 @@ def test_train_grpo_async_with_env(tmp_path, tok, scripted, keys, reward) -> Non
             assert x["tools/call_frequency"] == 1.0 and x["tools/failure_frequency"] == 0.0, x
     turns = [x["rollout/turns_mean"] for x in lines if "rollout/turns_mean" in x]
     assert turns and all(t == (3.0 if reward == 3.0 else 2.0) for t in turns)
+    if "rollout.mode=partial" in keys:  # the weights pushed while conversations run: counted, versions per token
+        logged = set().union(*map(set, lines))
+        assert {"rollout/carried_over_groups", "rollout/policy_version_max"} <= logged, sorted(logged)
 
 
 @pytest.mark.parametrize("keys", [("train.env=tests.test_trl_tools:AdderEnv", "train.reward=env"),
@@ -247,8 +252,12 @@ def test_train_ppo_with_env(tmp_path, tok, scripted, keys) -> None:
 
 
 @pytest.mark.parametrize("script, overrides, message", [
-    ("train_grpo", ("train.trainer=async_grpo", "rollout.mode=partial"),
-     "rollout.mode=partial with pool.replicas=1 is not supported with train.env / train.tools"),
+    ("train_grpo", ("rollout.mode=partial",), "rollout.mode=partial with pool.replicas=1 is not supported with "
+     "train.env / train.tools and train.trainer=grpo: allowed rollout.mode engine and pool.replicas=1"),
+    ("train_grpo", ("train.trainer=async_grpo", "rollout.mode=server"),
+     "rollout.mode=server needs train.trainer=grpo"),
+    ("train_grpo", ("train.trainer=async_grpo", "pool.replicas=2"),
+     "allowed rollout.mode engine or partial and pool.replicas=1"),
     ("train_grpo", ("train.trainer=ppo",), "(PPO, with train.env / train.tools too, is scripts/train_ppo.py)"),
     ("train_ppo", ("pool.replicas=2",), "pool.replicas=2 is not supported with train.env / train.tools"),
     ("train_ppo", ("train.env=null", "train.reward=env"), "'env' needs train.env"),

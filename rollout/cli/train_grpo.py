@@ -149,10 +149,14 @@ def load_config(raw: dict[str, Any]) -> tuple[RunConfig, TrainConfig, RolloutMod
             raise ValueError("rollout.max_inflight_groups must be null and rollout.stale_groups drop with "
                              "train.trainer=async_grpo (its worker keeps AsyncGRPOConfig's in-flight count and "
                              "drops stale groups)")
-    if (train.env or train.tools) and (mode.mode != "engine" or job.pool.replicas > 1):
+    # async_grpo's worker is partial by construction (rollout.mode=partial adds max_staleness / recompute_running);
+    # TRLRollout's partial mode hands out groups of other prompts than TRL's, whose environments TRL made and reset.
+    modes = ("engine", "partial") if train.trainer == "async_grpo" else ("engine",)
+    if (train.env or train.tools) and (mode.mode not in modes or job.pool.replicas > 1):
         raise ValueError(f"rollout.mode={mode.mode} with pool.replicas={job.pool.replicas} is not supported with "
-                         "train.env / train.tools (any train.trainer): they need rollout.mode=engine and "
-                         "pool.replicas=1, since conversations keep their KV in the in-process engine between turns")
+                         f"train.env / train.tools and train.trainer={train.trainer}: allowed rollout.mode "
+                         f"{' or '.join(modes)} and pool.replicas=1 (conversations keep their KV in the in-process "
+                         "engine between turns)")
     if job.pool.replicas > 1:
         if mode.mode != "engine" or train.trainer != "grpo":
             raise ValueError(f"pool.replicas={job.pool.replicas} needs rollout.mode=engine and train.trainer=grpo "
