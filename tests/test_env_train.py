@@ -103,6 +103,18 @@ def test_async_grpo_env_samples_keep_env_tokens_out_of_the_loss(tmp_path, tok, s
         assert s.metrics["tools/call_frequency"] == 1.0 and s.metrics["tools/failure_frequency"] == 0.0
         assert s.model_version == engine.policy_version
 
+    # rollout.mode=partial's max_staleness: a finished group is judged by its model tokens' oldest version
+    from types import SimpleNamespace
+
+    from rollout.envs import Episode
+    from trainer_hooks.async_env import _EnvGroup
+
+    group = _EnvGroup(0, {}, [Episode(0, env_mask=[1, 0, 1], policy_versions=[1, 0, 2])])  # env token: version 0
+    worker.engine, worker.max_staleness = SimpleNamespace(policy_version=2), 1
+    assert not worker._stale(group)
+    worker.engine = SimpleNamespace(policy_version=3)
+    assert worker._stale(group)
+
     collate = DataCollatorForRollout(pad_token_id=0)
     trainer.current_gradient_accumulation_steps = 1
 
