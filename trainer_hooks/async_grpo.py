@@ -206,11 +206,7 @@ class EngineRolloutWorker:
         conversational = not isinstance(row["prompt"], str)
         completions = [[{"role": "assistant", "content": t}] if conversational else t for t in texts]
         rewards, per_func = self._score(row, completions, [list(c.token_ids) for c in comps])
-        ok = ~np.isnan(rewards)
-        advantages = np.zeros_like(rewards)
-        std = float(rewards[ok].std()) if ok.any() else math.nan
-        if ok.any():
-            advantages[ok] = (rewards[ok] - rewards[ok].mean()) / (std + 1e-8)
+        advantages, std = group_advantages(rewards)
         now = time.time()
         for i, c in enumerate(comps):
             metrics = {"reward": float(rewards[i]), "reward_std": std}
@@ -228,8 +224,13 @@ class EngineRolloutWorker:
                 model_version=min(c.policy_versions) if c.policy_versions else self.engine.policy_version,
                 group_id=group.group_id, metrics=metrics, enqueued_at=now,
             ))
-        engine_metrics = {"rollout/completion_len_mean": float(np.mean([len(c.token_ids) for c in comps]))}
-        engine_metrics.update(policy_lag(self.model_version, [c.policy_versions for c in comps]))
+        self._put_engine_metrics([len(c.token_ids) for c in comps], [c.policy_versions for c in comps])
+
+    def _put_engine_metrics(self, lengths: list[int], versions: list[list[int]],
+                            extra: dict[str, float] | None = None) -> None:
+        """A finished group's completion length, policy lag and the engine's counters since the previous one."""
+        engine_metrics = {"rollout/completion_len_mean": float(np.mean(lengths)), **(extra or {})}
+        engine_metrics.update(policy_lag(self.model_version, versions))
         if self._window is not None:  # engine counters since the previous finished group
             engine_metrics.update(self._window.close())
             engine_metrics.pop("rollout/generation_s")  # a window here is not one generation (groups overlap)
@@ -253,3 +254,13 @@ class EngineRolloutWorker:
     def _eos_ids(tokenizer: Any) -> list[int]:
         eos = getattr(tokenizer, "eos_token_id", None)
         return [eos] if isinstance(eos, int) else []
+
+
+def group_advantages(rewards: np.ndarray) -> tuple[np.ndarray, float]:
+    """GRPO's advantages over a group's scored completions (NaN rewards: unscorable, advantage 0, as TRL)."""
+    ok = ~np.isnan(rewards)
+    advantages = np.zeros_like(rewards)
+    std = float(rewards[ok].std()) if ok.any() else math.nan
+    if ok.any():
+        advantages[ok] = (rewards[ok] - rewards[ok].mean()) / (std + 1e-8)
+    return advantages, std

@@ -28,8 +28,10 @@ from trl.experimental.async_grpo import async_grpo_trainer as trainer_module
 from trl.experimental.async_grpo.packing import TREE_ATTENTION
 
 from rollout.api import ContinuousBackend, require_backend
+from trainer_hooks.async_env import EnvRolloutWorker
 from trainer_hooks.async_grpo import EngineRolloutWorker, EngineWeightTransfer
 from trainer_hooks.engine_metrics import add_to_wandb_config, reports_to_wandb
+from trainer_hooks.env_rollouts import env_limits, train_env_spec
 from trainer_hooks.grpo import check_trl_version
 
 
@@ -47,19 +49,32 @@ class RunConfigCallback(TrainerCallback):
 class EngineAsyncGRPOTrainer(AsyncGRPOTrainer):
     """``AsyncGRPOTrainer`` generating with an in-process engine (no vLLM server). ``args.token_budget``
     unset defaults to the engine's ``max_model_len`` (TRL would ask the vLLM server). ``max_staleness`` and
-    ``recompute_running`` are the engine side's partial-rollout knobs (``trainer_hooks.async_grpo``)."""
+    ``recompute_running`` are the engine side's partial-rollout knobs (``trainer_hooks.async_grpo``).
+    ``environment_factory`` / ``tools`` (TRL's) run every turn on the engine's environment loop
+    (``trainer_hooks.async_env``): environment tokens are context only (``completion_mask`` 0), bounded as TRL's
+    (``max_tool_calling_iterations``, ``max_completion_length`` for model and environment tokens together), each
+    tool call by ``tool_timeout_s`` and each model turn by ``max_turn_tokens`` (None: the whole budget)."""
 
     def __init__(self, model: str, engine: Any, reward_funcs: list[Callable[..., list[float]]], args: Any,
                  train_dataset: Any, processing_class: Any, torch_attention: bool | None = None,
                  run_config: dict[str, Any] | None = None, callbacks: list[Any] | None = None,
-                 max_staleness: int | None = None, recompute_running: bool = True, **kwargs: Any) -> None:
+                 max_staleness: int | None = None, recompute_running: bool = True,
+                 environment_factory: Callable[[], Any] | None = None, tools: list[Callable[..., Any]] | None = None,
+                 tool_timeout_s: float = 60.0, max_turn_tokens: int | None = None, **kwargs: Any) -> None:
         check_trl_version("trainer_hooks.async_trainer")
         engine = require_backend(engine, "train.trainer=async_grpo", ContinuousBackend)
         if args.token_budget is None:
             args.token_budget = engine.limits.max_model_len
         use_torch = (not torch.cuda.is_available()) if torch_attention is None else torch_attention
-        worker = EngineRolloutWorker(engine, train_dataset, reward_funcs, processing_class, args,
-                                     max_staleness=max_staleness)
+        spec = train_env_spec(environment_factory, tools)
+        if spec is None:
+            worker = EngineRolloutWorker(engine, train_dataset, reward_funcs, processing_class, args,
+                                         max_staleness=max_staleness)
+        else:  # TRL's environment_factory / tools: every turn on the engine's environment loop
+            limits = env_limits(int(args.max_completion_length), tool_timeout_s, max_turn_tokens,
+                                args.max_tool_calling_iterations)
+            worker = EnvRolloutWorker(engine, train_dataset, reward_funcs, processing_class, args, spec, limits,
+                                      max_staleness=max_staleness)
         transfer = EngineWeightTransfer(engine, metrics_queue=worker.metrics_queue,
                                         recompute_running=recompute_running)
         config = {"engine": engine.describe(), **(run_config or {})}

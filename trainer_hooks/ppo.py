@@ -2,8 +2,9 @@
 
 The loop that puts them together with the engine is ``trainer_hooks.ppo_loop.EnginePPO``. Conventions:
 
-- A batch is right-padded ``[B, T]`` over *completion* tokens (``mask`` 1 on real tokens). Token t of a
-  completion is predicted from position ``prompt_len - 1 + t`` of ``prompt + completion``; its value is the
+- A batch is right-padded ``[B, T]`` over *completion* tokens (``mask`` 1 on the model's tokens; 0 on padding and
+  on an environment's tokens between model turns, which are context only: no advantage, no policy or value loss).
+  Token t of a completion is predicted from position ``prompt_len - 1 + t`` of ``prompt + completion``; its value is the
   value model's output at that same position (the state before the token is chosen).
 - Rewards are per token: ``-kl_coef * (log pi_old - log pi_ref)`` on every token (KL to a frozen reference,
   as in InstructGPT), plus the sequence's score on its last token.
@@ -75,7 +76,10 @@ class Sequences:
     completion_ids: torch.Tensor  # [B, T]
 
     @classmethod
-    def build(cls, prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> Sequences:
+    def build(cls, prompts: list[list[int]], completions: list[list[int]], pad_id: int,
+              masks: list[list[int]] | None = None) -> Sequences:
+        """``masks``: per completion token 1 (trained) or 0 (an environment's token: context only, TRL's
+        ``tool_mask``); None: every completion token is the model's."""
         full = [p + c for p, c in zip(prompts, completions)]
         length, t_max = max(map(len, full)), max(1, max(map(len, completions)))
         ids = torch.full((len(full), length), pad_id, dtype=torch.long)
@@ -86,7 +90,7 @@ class Sequences:
             ids[i, : len(seq)] = torch.tensor(seq)
             attn[i, : len(seq)] = 1
             comp[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-            mask[i, : len(c)] = 1.0
+            mask[i, : len(c)] = 1.0 if masks is None else torch.tensor(masks[i], dtype=torch.float32)
         return cls(ids, attn, torch.tensor([len(p) for p in prompts]), mask, comp)
 
     def to(self, device: torch.device | str) -> Sequences:
@@ -164,23 +168,30 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimates and returns over right-padded [B, T] tensors (V = 0 after the end)."""
+    """Generalised advantage estimates and returns over [B, T] tensors (V = 0 after the end). The steps are the
+    tokens where ``mask`` is 1: a masked token inside a row (an environment's reply between two model turns) is
+    part of the transition from one model token to the next, so it gets no advantage and credit flows across it
+    (right padding is the special case of masked tokens at the end)."""
     advantages = torch.zeros_like(rewards)
     last = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
+    next_value = torch.zeros_like(last)  # V of the next model token
     for t in reversed(range(rewards.shape[1])):
-        next_value = values[:, t + 1] * mask[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(last)
+        m = mask[:, t] > 0
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        last = (delta + gamma * lam * last) * mask[:, t]
-        advantages[:, t] = last
+        here = delta + gamma * lam * last
+        advantages[:, t] = torch.where(m, here, torch.zeros_like(here))
+        last = torch.where(m, here, last)
+        next_value = torch.where(m, values[:, t], next_value)
     return advantages, (advantages + values) * mask
 
 
 def token_rewards(scores: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
                   kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards (KL penalty everywhere, the score on the last token) and the per-token KL."""
+    """Per-token rewards (KL penalty on every model token, the score on the last model token) and the per-token KL."""
     kl = (old_logp - ref_logp) * mask
     rewards = -kl_coef * kl
-    last = (mask.sum(1).long() - 1).clamp(min=0)
+    index = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask > 0, index, torch.full_like(index, -1)).max(1).values.clamp(min=0)
     rewards[torch.arange(len(scores)), last] += scores * (mask.sum(1) > 0)
     return rewards, kl
 

@@ -6,7 +6,10 @@ gap), the frozen reference's and the values; GAE turns per-token rewards into ad
 ``ppo_epochs`` x ``num_minibatches`` optimizer steps on the clipped policy and value losses, each followed by
 a weight push to the engine (``push_weights``, version = optimizer steps so far), so the engine always
 serves the policy being trained. The engine may be a ``RolloutPool``: each push is broadcast to every
-replica, and they all reach that version before any generates again.
+replica, and they all reach that version before any generates again. With an environment (``env``: TRL's
+``environment_factory`` / ``tools`` as ``trainer_hooks.env_rollouts`` builds them) each completion is a
+conversation run by the engine's environment loop (``trainer_hooks.ppo_env``); its environment tokens are context
+only (mask 0): no advantage (GAE steps over them), no policy loss, no value loss.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from torch import nn
 
 from rollout.api import require_backend
+from rollout.envs import EnvLimits
 from rollout.rl.prompts import encode_prompt
 from rollout.sampling_params import SamplingParams
 from trainer_hooks.engine_metrics import EngineWindow
@@ -38,6 +42,7 @@ from trainer_hooks.ppo import (
     token_rewards,
     value_loss,
 )
+from trainer_hooks.ppo_env import PPOEnvRollouts
 from trainer_hooks.weights import HFWeights, push_weights
 
 
@@ -61,11 +66,18 @@ class EnginePPO:
     """
 
     def __init__(self, engine: Any, policy: nn.Module, value_model: ValueModel, ref_model: nn.Module,
-                 tokenizer: Any, reward_fn: Callable[..., list[Any]], config: PPOConfig, sampling: SamplingParams,
-                 sleep_level: int = 0, bf16: bool = False, on_push: Callable[[EnginePPO], None] | None = None) -> None:
+                 tokenizer: Any, reward_fn: Callable[..., list[Any]] | None, config: PPOConfig,
+                 sampling: SamplingParams, sleep_level: int = 0, bf16: bool = False,
+                 on_push: Callable[[EnginePPO], None] | None = None, env: Any = None,
+                 env_limits: EnvLimits | None = None) -> None:
         if sampling.temperature <= 0:
             raise ValueError(f"sampling.temperature={sampling.temperature} is invalid for PPO: must be > 0")
         self.engine = require_backend(engine, "EnginePPO")
+        self.env = None  # trainer_hooks.env_rollouts.PPOEnvRollouts: every turn on the engine's environment loop
+        if env is not None:
+            self.env = PPOEnvRollouts(self.engine, env, tokenizer, env_limits or EnvLimits(), reward_fn)
+        elif reward_fn is None:
+            raise ValueError("EnginePPO needs a reward_fn (or an environment with get_reward)")
         self.policy, self.value_model, self.ref = policy, value_model, ref_model.eval().requires_grad_(False)
         self.tokenizer, self.reward_fn, self.cfg = tokenizer, reward_fn, config
         self.sampling = dataclasses.replace(sampling, logprobs_mode="policy")
@@ -79,6 +91,11 @@ class EnginePPO:
         self.seconds = {"generation": 0.0, "weight_push": 0.0}
         self._push_s: list[float] = []
         self.push()  # the engine starts from exactly the policy's weights
+
+    def close(self) -> None:
+        """Stop the environment loop's threads (nothing to do without an environment)."""
+        if self.env is not None:
+            self.env.close()
 
     # ---- one iteration --------------------------------------------------------------------------------
     def step(self, rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -103,20 +120,29 @@ class EnginePPO:
 
     # ---- generation and scoring -----------------------------------------------------------------------
     def rollout(self, rows: list[dict[str, Any]]) -> RolloutBatch:
-        prompt_ids = [self.encode(r["prompt"]) for r in rows]
         if self.sleep_level and self.engine.is_sleeping:
             self.engine.wake_up()
         window = EngineWindow(self.engine)
-        outs = self.engine.generate(prompt_ids, self.sampling)
+        if self.env is not None:
+            done = self.env.run(rows, self.sampling)
+        else:
+            outs = self.engine.generate([self.encode(r["prompt"]) for r in rows], self.sampling)
         metrics = window.close()
         if self.sleep_level:
             self.engine.sleep(self.sleep_level)
         self.seconds["generation"] += metrics["rollout/generation_s"]
-        flat = [(row, out, c) for row, out in zip(rows, outs) for c in sorted(out.outputs, key=lambda c: c.index)]
-        seqs = Sequences.build([list(o.prompt_token_ids) for _, o, _ in flat], [list(c.token_ids) for _, _, c in flat],
-                               self.pad_id).to(self.device)
-        behaviour = pad_rows([list(c.logprobs) for _, _, c in flat], seqs.mask.shape[1]).to(self.device)
-        scores, unscored = self.score(flat)
+        if self.env is not None:
+            seqs = done.seqs.to(self.device)
+            behaviour, scores, unscored, versions = done.logprobs, done.scores, done.unscored, done.versions
+            metrics.update(done.metrics)
+        else:
+            flat = [(row, out, c) for row, out in zip(rows, outs) for c in sorted(out.outputs, key=lambda c: c.index)]
+            seqs = Sequences.build([list(o.prompt_token_ids) for _, o, _ in flat],
+                                   [list(c.token_ids) for _, _, c in flat], self.pad_id).to(self.device)
+            behaviour = pad_rows([list(c.logprobs) for _, _, c in flat], seqs.mask.shape[1])
+            scores, unscored = self.score(flat)
+            versions = [min(c.policy_versions) if c.policy_versions else self.version for _, _, c in flat]
+        behaviour = behaviour.to(self.device)
         with torch.no_grad():
             old_logp, ref_logp, values = self._no_grad_passes(seqs)
         rewards, kl = token_rewards(scores.to(self.device), old_logp, ref_logp, seqs.mask, self.cfg.kl_coef)
@@ -124,7 +150,6 @@ class EnginePPO:
         if self.cfg.whiten_advantages:
             advantages = masked_whiten(advantages, seqs.mask)
         gap = (old_logp - behaviour).abs()[seqs.mask.bool()]
-        versions = [min(c.policy_versions) if c.policy_versions else self.version for _, _, c in flat]
         metrics.update({
             "reward": scores.mean().item(), "reward_std": scores.std().item() if len(scores) > 1 else 0.0,
             "completions/mean_length": seqs.mask.sum(1).mean().item(), "ppo/unscored_frac": unscored,

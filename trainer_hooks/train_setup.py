@@ -54,6 +54,23 @@ def check_common(train: Any) -> None:
         check_reward_spec(train.reward, "train.reward")
 
 
+def check_env_keys(train: Any) -> None:
+    """``train.env`` / ``train.tools`` / ``train.tool_timeout_s`` / ``train.max_turn_tokens`` (both scripts)."""
+    from rollout.envs.protocol import _SPEC
+
+    check("env", train.env is None or (isinstance(train.env, str) and bool(_SPEC.match(train.env))), train.env,
+          "null or an import path 'package.module:factory'")
+    tools = list(train.tools)
+    check("tools", all(isinstance(t, str) and _SPEC.match(t) for t in tools), tools,
+          "a list of import paths 'package.module:function'")
+    t = train.tool_timeout_s
+    check("tool_timeout_s", is_num(t) and t > 0, t, "a number of seconds > 0")
+    m = train.max_turn_tokens
+    check("max_turn_tokens", m is None or (is_int(m) and m >= 1), m, "an int >= 1 or null")
+    if train.reward == "env" and not train.env:
+        check("reward", False, train.reward, "a reward name or path ('env' needs train.env)")
+
+
 def load_job(raw: Mapping[str, Any], train_cls: type) -> tuple[RunConfig, Any]:
     """The shared groups through RunConfig (same checks and messages as the main job), plus ``train``."""
     raw = dict(raw)

@@ -5,6 +5,8 @@
     rollout-train-grpo train.reward=my_pkg.rewards:score      # any TRL-signature reward function
     rollout-train-grpo +train.grpo.loss_type=dr_grpo +train.grpo.epsilon_high=0.28 # any GRPOConfig field
     rollout-train-grpo train.trainer=async_grpo               # TRL's AsyncGRPOTrainer, engine in-process
+    rollout-train-grpo train.env=rollout.envs.calculator:CalculatorEnv train.reward=env  # TRL's environment_factory,
+                                                              # every turn on the engine (also train.trainer=async_grpo)
     rollout-train-grpo train.sleep_level=1                    # co-located: the engine frees its KV cache
                                                               # while the trainer trains
     rollout-train-grpo pool.replicas=2 pool.colocate_with_trainer=true train.sleep_level=1  # replica 0 does
@@ -76,8 +78,9 @@ class TrainConfig:
     max_turn_tokens: int | None = None  # tokens per model turn; null = sampling.max_tokens (the whole completion)
 
     def __post_init__(self) -> None:
-        setup.check("trainer", self.trainer in TRAINERS, self.trainer, f"one of {list(TRAINERS)}")
-        check_tool_keys(self)
+        setup.check("trainer", self.trainer in TRAINERS, self.trainer,
+                    f"one of {list(TRAINERS)} (PPO, with train.env / train.tools too, is scripts/train_ppo.py)")
+        setup.check_env_keys(self)
         setup.check_common(self)
         setup.check("beta", setup.is_num(self.beta) and self.beta >= 0, self.beta, "a number >= 0")
         if self.trainer == "async_grpo":
@@ -85,24 +88,6 @@ class TrainConfig:
             setup.check("sleep_level", self.sleep_level == 0, self.sleep_level,
                         "0 with train.trainer=async_grpo (the engine generates while the trainer trains)")
         setup.check("grpo", isinstance(self.grpo, dict), self.grpo, "a mapping of GRPOConfig fields")
-
-
-def check_tool_keys(train: TrainConfig) -> None:
-    from rollout.envs.protocol import _SPEC
-
-    setup.check("env", train.env is None or (isinstance(train.env, str) and bool(_SPEC.match(train.env))), train.env,
-                "null or an import path 'package.module:factory'")
-    tools = list(train.tools)
-    setup.check("tools", all(isinstance(t, str) and _SPEC.match(t) for t in tools), tools,
-                "a list of import paths 'package.module:function'")
-    t = train.tool_timeout_s
-    setup.check("tool_timeout_s", setup.is_num(t) and t > 0, t, "a number of seconds > 0")
-    m = train.max_turn_tokens
-    setup.check("max_turn_tokens", m is None or (setup.is_int(m) and m >= 1), m, "an int >= 1 or null")
-    if (train.env or tools) and train.trainer != "grpo":
-        setup.check("trainer", False, train.trainer, "grpo with train.env / train.tools (EngineGRPOTrainer)")
-    if train.reward == "env" and not train.env:
-        setup.check("reward", False, train.reward, "a reward name or path ('env' needs train.env)")
 
 
 ROLLOUT_MODES = ("engine", "partial", "server")
@@ -164,9 +149,14 @@ def load_config(raw: dict[str, Any]) -> tuple[RunConfig, TrainConfig, RolloutMod
             raise ValueError("rollout.max_inflight_groups must be null and rollout.stale_groups drop with "
                              "train.trainer=async_grpo (its worker keeps AsyncGRPOConfig's in-flight count and "
                              "drops stale groups)")
-    if (train.env or train.tools) and (mode.mode != "engine" or job.pool.replicas > 1):
-        raise ValueError("train.env / train.tools need rollout.mode=engine and pool.replicas=1: conversations keep "
-                         "their KV in the in-process engine between turns")
+    # async_grpo's worker is partial by construction (rollout.mode=partial adds max_staleness / recompute_running);
+    # TRLRollout's partial mode hands out groups of other prompts than TRL's, whose environments TRL made and reset.
+    modes = ("engine", "partial") if train.trainer == "async_grpo" else ("engine",)
+    if (train.env or train.tools) and (mode.mode not in modes or job.pool.replicas > 1):
+        raise ValueError(f"rollout.mode={mode.mode} with pool.replicas={job.pool.replicas} is not supported with "
+                         f"train.env / train.tools and train.trainer={train.trainer}: allowed rollout.mode "
+                         f"{' or '.join(modes)} and pool.replicas=1 (conversations keep their KV in the in-process "
+                         "engine between turns)")
     if job.pool.replicas > 1:
         if mode.mode != "engine" or train.trainer != "grpo":
             raise ValueError(f"pool.replicas={job.pool.replicas} needs rollout.mode=engine and train.trainer=grpo "
@@ -235,7 +225,9 @@ def train_grpo(job: RunConfig, train: TrainConfig, mode: RolloutMode | None = No
         partial = mode is not None and mode.mode == "partial"
         trainer = EngineAsyncGRPOTrainer(str(checkpoint), engine, reward_funcs, args, dataset, tokenizer,
                                          run_config=run_config, max_staleness=mode.max_staleness if partial else None,
-                                         recompute_running=mode.recompute_running if partial else True)
+                                         recompute_running=mode.recompute_running if partial else True,
+                                         tool_timeout_s=train.tool_timeout_s, max_turn_tokens=train.max_turn_tokens,
+                                         **env_kwargs)
     steps = StepCallback(out, train.reward, rollout)
     trainer.add_callback(steps)
     trainer.remove_callback(PrinterCallback)  # its raw dict per step is replaced by StepLog's line
