@@ -160,20 +160,13 @@ async def pause(request: Request, mode: str = Query("abort")) -> dict[str, Any]:
     """``keep``: running sequences stay and resume later; ``abort``: they end now with finish_reason abort."""
     if mode not in ("keep", "abort"):
         raise APIError(400, f"mode={mode!r} is not supported; allowed: 'keep', 'abort'", param="mode")
-    st = state(request)
-
-    def do() -> int:
-        st.loop.set_paused(True)
-        return st.loop.abort_all() if mode == "abort" else 0
-
-    aborted = await st.run(do)
+    aborted = await state(request).pause(abort=mode == "abort")
     return {"paused": True, "mode": mode, "aborted": aborted}
 
 
 @router.post("/resume")
 async def resume(request: Request) -> dict[str, Any]:
-    st = state(request)
-    await st.run(lambda: st.loop.set_paused(False))
+    await state(request).resume()
     return {"paused": False}
 
 

@@ -37,19 +37,12 @@ async def flush_cache(request: Request) -> PlainTextResponse:
 async def pause_generation(request: Request) -> dict[str, Any]:
     """SGLang's modes: ``abort`` (the default) ends running requests; ``retract`` / ``in_place`` keep them."""
     body: PauseGeneration = await _body(request, PauseGeneration, "pause")
-    st = state(request)
-
-    def do() -> int:
-        st.loop.set_paused(True)
-        return st.loop.abort_all() if body.mode == "abort" else 0
-
-    return {"success": True, "mode": body.mode, "aborted": await st.run(do)}
+    return {"success": True, "mode": body.mode, "aborted": await state(request).pause(abort=body.mode == "abort")}
 
 
 @router.post("/continue_generation")
 async def continue_generation(request: Request) -> dict[str, Any]:
-    st = state(request)
-    await st.run(lambda: st.loop.set_paused(False))
+    await state(request).resume()
     return {"success": True}
 
 

@@ -105,6 +105,18 @@ class ServerState:
         """Run ``fn(*args)`` in a text worker (tokenizer, template, detokenizer, body rendering) and await it."""
         return await asyncio.get_running_loop().run_in_executor(self.text_pool, fn, *args)
 
+    async def pause(self, abort: bool) -> int:
+        """Stop stepping at the next step boundary; ``abort`` ends the pending requests (how many)."""
+
+        def do() -> int:
+            self.loop.set_paused(True)
+            return self.loop.abort_all() if abort else 0
+
+        return await self.run(do)
+
+    async def resume(self) -> None:
+        await self.run(lambda: self.loop.set_paused(False))
+
     async def run(self, fn: Any) -> Any:
         """Run ``fn`` in the engine loop thread at a step boundary and await its result."""
         return await asyncio.wrap_future(self.loop.call(fn))
