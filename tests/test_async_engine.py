@@ -254,3 +254,16 @@ def test_stream_interval_batches_deltas(hf, started):
 def test_stream_interval_is_checked():
     with pytest.raises(ValueError, match="stream_interval_s"):
         AsyncEngine(object(), stream_interval_s=-1)
+
+
+def test_a_streams_first_tokens_are_not_held_for_the_interval(hf, started):
+    """The interval batches later deltas only: a stream submitted just after a batch went out still gets its
+    first tokens the step they land (time to first token), not ``stream_interval_s`` later."""
+    loop = started(make_engine(hf, block_size=4), stream_interval_s=2.0)
+    prompts = random_prompts(2, hf.config.vocab_size, seed=45)
+    _started(loop, prompts[0], _long())  # its first batch went out: the next is due in 2 s
+    first = threading.Event()
+    t0 = time.monotonic()
+    loop.submit(prompts[1], _long(), on_partial=lambda out: first.set())
+    assert first.wait(1.5), "the first tokens waited for the interval"
+    assert time.monotonic() - t0 < 1.5

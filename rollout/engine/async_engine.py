@@ -9,10 +9,11 @@ else that must happen at a step boundary (weight updates, pause, sleep, stats) r
 ``call``. The HTTP server and each pool replica run one, so a caller never blocks a step and a step never
 waits on a caller.
 
-Streams cost the loop O(1) per step: their deltas are collected at most every ``stream_interval_s`` (and
+Streams cost the stepping thread little per step: their deltas are collected at most every ``stream_interval_s`` (and
 skipped while the listeners are still busy with the last batch: the tokens wait in the engine and come in
-the next one), then handed in one batch to a second thread that calls the ``on_partial`` listeners and
-settles the streams' futures, in order (a stream's last delta before its final output). The listeners'
+the next one; a stream's first tokens go out the step they land, so the interval never delays the first
+token), then handed in one batch to a second thread that calls the ``on_partial`` listeners and settles the
+streams' futures, in order (a stream's last delta before its final output). The listeners'
 work (detokenizing, rendering events) never runs in the stepping thread.
 
 A step that raises is rolled back by the engine. The requests it held (``Engine.failed_request_ids``)
@@ -24,6 +25,7 @@ False, ``error`` says why, everything pending fails and later submits are refuse
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -40,6 +42,7 @@ from rollout.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 CLOSED = "the engine loop is shut down"
+FRESH_PER_STEP = 256  # streams checked each step for their first tokens (between stream_interval_s batches)
 
 
 @dataclass(slots=True)
@@ -84,6 +87,7 @@ class AsyncEngine:
         self._aborts: deque[str] = deque()
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
         self._waiters: dict[str, _Waiter] = {}
+        self._fresh: dict[str, None] = {}  # streams whose first tokens have not gone out (oldest first)
         self._num_seqs = 0  # summed over _waiters
         self._paused = False
         self._stopping = False
@@ -136,6 +140,8 @@ class AsyncEngine:
             n = getattr(params, "n", 1)  # not validated yet: the engine refuses a bad one when it adds it
             n = n if type(n) is int and n > 0 else 1
             self._waiters[rid] = waiter = _Waiter(fut, on_partial, n, [0] * n)
+            if on_partial is not None:
+                self._fresh[rid] = None
             self._num_seqs += waiter.num_seqs
             self._incoming.append((prompt, params, rid, priority))
             self._cv.notify_all()
@@ -182,6 +188,7 @@ class AsyncEngine:
     def _pop(self, request_id: str) -> _Waiter | None:
         """Forget a pending request (the caller holds ``_cv``)."""
         waiter = self._waiters.pop(request_id, None)
+        self._fresh.pop(request_id, None)
         if waiter is not None:
             self._num_seqs -= waiter.num_seqs
         return waiter
@@ -271,8 +278,12 @@ class AsyncEngine:
         with self._cv:
             finished = [w for w in ((self._pop(o.request_id), o) for o in outs) if w[0] is not None]
             due = not self._stream_busy and now - self._last_flush >= self.stream_interval_s
-            streams = [(rid, w) for rid, w in self._waiters.items() if w.on_partial is not None] if due else []
-        batch = []
+            if due:
+                streams = [(rid, w) for rid, w in self._waiters.items() if w.on_partial is not None]
+            else:  # a stream's first tokens go out at once (time to first token), the rest batched; the
+                # oldest FRESH_PER_STEP only, so thousands of queued streams cost a step nothing
+                streams = [(rid, self._waiters[rid]) for rid in itertools.islice(self._fresh, FRESH_PER_STEP)]
+        batch, started = [], []
         for waiter, out in finished:
             if waiter.on_partial is None:
                 _resolve(waiter.future, out, None)
@@ -284,7 +295,12 @@ class AsyncEngine:
                 for c in part.outputs:
                     waiter.sent[c.index] += len(c.token_ids)
                 batch.append((waiter, part, None, False))
-        if streams:
+                started.append(rid)
+        if started:
+            with self._cv:
+                for rid in started:
+                    self._fresh.pop(rid, None)
+        if due and streams:
             self._last_flush = now
         self._hand_over(batch)
         self.rate.add(now, lambda: self.engine.get_stats().num_generated_tokens)
