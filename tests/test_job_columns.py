@@ -49,6 +49,15 @@ def test_the_progress_bar_counts_tokens_per_round(cache_dir, tmp_path, capfd):
     assert "round 1/2" in err and "round 2/2" in err and "tok" in err and "groups" in err and "KV" in err
 
 
+def test_the_progress_bar_ends_full_when_samples_stop_early(cache_dir, tmp_path, capfd):
+    """The bar's total is every sample at max_tokens; samples that stop sooner used to leave it short of 100%."""
+    _run(tmp_path, cache_dir, "logger.progress=true", "sampling.max_tokens=48", "sampling.stop=[' ']")
+    err = capfd.readouterr().err
+    for r in (1, 2):
+        last = [part for part in err.replace("\r", "\n").splitlines() if part.startswith(f"round {r}/2")][-1]
+        assert "100%" in last, last
+
+
 def test_stop_reason_is_kept_as_text():
     c = SimpleNamespace(index=0, token_ids=[5, 7], logprobs=[-1.0, -2.0], finish_reason="stop", text="ab",
                         policy_versions=[0, 0], stop_reason=7)

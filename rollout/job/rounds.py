@@ -242,6 +242,9 @@ class RoundDriver:
                     self._log_step(stats, window)
         finally:
             if bar is not None:
+                if len(handed) >= self.num_prompts and bar.n < bar.total:  # samples ended before max_tokens
+                    bar.total = bar.n
+                    bar.refresh()
                 bar.close()
         return sorted(handed, key=lambda g: g.group_id)
 
