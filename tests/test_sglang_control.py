@@ -110,3 +110,20 @@ def test_init_weight_transfer_with_nobody_at_the_address_fails_within_seconds(cl
     elapsed = time.monotonic() - t0
     assert r.status_code == 400 and f"127.0.0.1:{port}" in r.json()["error"]["message"], r.text
     assert elapsed < 10, f"took {elapsed:.1f} s"
+
+
+def test_release_and_resume_memory_occupation(client):
+    """SGLang's sleep / wake (slime colocated): 409 while a request runs, bytes freed when idle, serving after."""
+    done = threading.Event()
+    threading.Thread(target=lambda: (client.post("/generate", json={"input_ids": [5, 6], "sampling_params": LONG}),
+                                     done.set()), daemon=True).start()
+    _running(client)
+    r = client.post("/release_memory_occupation", json={})
+    assert r.status_code == 409 and "/pause_generation" in r.json()["error"]["message"], r.text
+    assert client.post("/pause_generation", json={"mode": "abort"}).status_code == 200 and done.wait(30)
+    r = client.post("/release_memory_occupation", json={})
+    assert r.status_code == 200 and r.json()["released_bytes"] > 0, r.text
+    assert client.post("/resume_memory_occupation", json={}).status_code == 200
+    assert client.post("/continue_generation", json={}).status_code == 200
+    assert client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
+                       ).status_code == 200

@@ -184,14 +184,7 @@ async def reset_prefix_cache(request: Request) -> dict[str, bool]:
 
 @router.post("/sleep")
 async def sleep(request: Request, level: int = Query(1)) -> dict[str, Any]:
-    st = state(request)
-    try:
-        released = await st.run(lambda: st.engine.sleep(level))
-    except ValueError as e:
-        raise APIError(400, str(e), param="level") from None
-    except RuntimeError as e:
-        raise APIError(409, f"{e} (POST /pause?mode=abort does that)") from None
-    released += await asyncio.to_thread(st.receiver.release_staging)
+    released = await state(request).sleep(level, "POST /pause?mode=abort")
     return {"sleeping": True, "level": level, "released_bytes": released}
 
 

@@ -48,12 +48,7 @@ async def continue_generation(request: Request) -> dict[str, Any]:
 
 @router.post("/release_memory_occupation")
 async def release_memory_occupation(request: Request) -> dict[str, Any]:
-    st = state(request)
-    try:
-        released = await st.run(lambda: st.engine.sleep(1))
-    except RuntimeError as e:
-        raise APIError(409, f"{e} (POST /pause_generation does that)") from None
-    released += await asyncio.to_thread(st.receiver.release_staging)
+    released = await state(request).sleep(1, "POST /pause_generation")
     return {"success": True, "released_bytes": released}
 
 

@@ -117,6 +117,17 @@ class ServerState:
     async def resume(self) -> None:
         await self.run(lambda: self.loop.set_paused(False))
 
+    async def sleep(self, level: int, pause_route: str) -> int:
+        """The engine's KV (and at level 2 its weights) and the weight staging buffer released: bytes freed.
+        400 for a bad level, 409 while requests are pending (``pause_route`` ends them)."""
+        try:
+            released = await self.run(lambda: self.engine.sleep(level))
+        except ValueError as e:
+            raise APIError(400, str(e), param="level") from None
+        except RuntimeError as e:
+            raise APIError(409, f"{e} ({pause_route} does that)") from None
+        return released + await asyncio.to_thread(self.receiver.release_staging)
+
     async def run(self, fn: Any) -> Any:
         """Run ``fn`` in the engine loop thread at a step boundary and await its result."""
         return await asyncio.wrap_future(self.loop.call(fn))
