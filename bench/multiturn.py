@@ -167,14 +167,27 @@ def _kw(p: SamplingParams) -> dict:
     return dict(temperature=p.temperature, max_tokens=p.max_tokens, ignore_eos=p.ignore_eos)
 
 
-def measure(mode: str, hf: torch.nn.Module, w: dict, device: str) -> dict:
+def _profiled(fn, enabled: bool) -> tuple[object, list | None]:
+    """fn() under torch.profiler (CUDA activity) when enabled: its result and the top kernels (name, ms, calls)."""
+    if not enabled:
+        return fn(), None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+    ks = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    return out, [(e.key[:70], round(e.device_time_total / 1e3, 1), e.count) for e in ks[:14]]
+
+
+def measure(mode: str, hf: torch.nn.Module, w: dict, device: str, prof: bool = False) -> dict:
     hold = int(mode.removeprefix("env_loop_hold")) if mode.startswith("env_loop_hold") else 0
     eng = make_engine(hf, w, device, prefix_cache=mode != "turn_sync_nocache", hold=hold)
     before = eng.get_stats()
     if device == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    counts = (run_env_loop if mode.startswith("env_loop") else run_turn_sync)(eng, w)  # turn_sync*: one loop
+    run_mode = run_env_loop if mode.startswith("env_loop") else run_turn_sync  # turn_sync*: one loop
+    counts, top = _profiled(lambda: run_mode(eng, w), prof and device == "cuda")
     if device == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
@@ -191,7 +204,10 @@ def measure(mode: str, hf: torch.nn.Module, w: dict, device: str) -> dict:
                prefill_tokens=prefill, given_tokens=counts["given_tokens"], env_tokens=counts["env_tokens"],
                prefill_over_given=round(prefill / counts["given_tokens"], 4),
                prefix_cached_tokens=after.num_prefix_cached_tokens - before.num_prefix_cached_tokens,
-               preemptions=after.num_preemptions - before.num_preemptions, device=_device(device), commit=_commit())
+               preemptions=after.num_preemptions - before.num_preemptions, steps=after.num_steps - before.num_steps,
+               device=_device(device), commit=_commit())
+    if top is not None:
+        rec["top_kernels_ms"] = top  # under the profiler: wall and tok/s include its overhead
     assert counts["model_tokens"] == generated == w["conversations"] * w["turns"] * w["turn_tokens"], (counts, rec)
     del eng
     gc.collect()
@@ -200,12 +216,12 @@ def measure(mode: str, hf: torch.nn.Module, w: dict, device: str) -> dict:
     return rec
 
 
-def run(tiny: bool, modes: list[str], out: str | None) -> list[dict]:
+def run(tiny: bool, modes: list[str], out: str | None, prof: bool = False) -> list[dict]:
     device = "cpu" if tiny or not torch.cuda.is_available() else "cuda"
     w = dict(TINY if tiny else W4)
     w["vocab"] = (TINY_LLAMA if tiny else QWEN3_06B)["vocab_size"]
     hf = build_model(w, device)
-    recs = [measure(m, hf, w, device) for m in modes]
+    recs = [measure(m, hf, w, device, prof) for m in modes]
     by = {r["mode"]: r for r in recs}
     for base in ("turn_sync", "turn_sync_nocache"):
         for loop in (m for m in by if m.startswith("env_loop") and base in by):
@@ -239,10 +255,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--modes", default="env_loop,env_loop_hold8,turn_sync,turn_sync_nocache",
                    help="env_loop_hold<K>: the engine loop with engine.turn_prefill_hold_steps=K")
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", action="store_true", help="run each mode under torch.profiler: its top kernels")
     args = p.parse_args(argv)
     if not args.tiny and not torch.cuda.is_available():
         sys.exit("W4 needs a CUDA GPU (or --tiny for the CPU smoke run)")
-    run(args.tiny, [m for m in args.modes.split(",") if m], args.out)
+    run(args.tiny, [m for m in args.modes.split(",") if m], args.out, args.profile)
 
 
 if __name__ == "__main__":
