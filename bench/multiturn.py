@@ -15,6 +15,12 @@ same run, each on a fresh engine:
   conversation (re-prefilled, less what the prefix cache still holds).
 - ``turn_sync_nocache``: the same with the prefix cache off (every turn re-prefills the whole conversation).
 
+``--turn-lengths geometric`` (workload ``W4-geo``): a turn ends at a stop token instead of after exactly 256
+tokens, as an agent's turns do: 1/256 of the vocabulary are stop ids, so on the random-init model (a nearly
+uniform distribution) a turn's length is geometric with mean ~256, capped at 512. The turn-synchronous loop
+then also waits for the longest turn of each round while its batch drains; the fixed form only lets the engine
+loop win the tool waits (at most the three slowest sleeps, ~0.6 s of ~10 s: ~1.1x, docs/benchmarks.md).
+
 Reported per mode: model tok/s (generated tokens / wall), GPU busy fraction (compute-stream time / wall; None on
 the CPU), prefill tokens over (prompt + environment) tokens, and for env_loop ``vs_turn_sync`` and
 ``vs_turn_sync_nocache`` (tok/s ratios).
@@ -117,9 +123,17 @@ def prompts_of(w: dict) -> list[list[int]]:
             for _ in range(w["conversations"])]
 
 
+def stop_ids_of(w: dict) -> list[int]:
+    """``geometric`` turns: every ``stop_every``-th id of the prompts' range ends a turn (none when fixed)."""
+    if w.get("turn_lengths", "fixed") != "geometric":
+        return []
+    return list(range(100, w["vocab"] - 100, w["stop_every"]))
+
+
 def params_of(w: dict) -> list[SamplingParams]:
-    return [SamplingParams(temperature=1.0, seed=i, max_tokens=w["turn_tokens"], ignore_eos=True)
-            for i in range(w["conversations"])]
+    stops = stop_ids_of(w)
+    return [SamplingParams(temperature=1.0, seed=i, max_tokens=w["turn_tokens"], ignore_eos=True,
+                           stop_token_ids=stops or None) for i in range(w["conversations"])]
 
 
 def run_env_loop(eng: Engine, w: dict) -> dict:
@@ -164,17 +178,19 @@ def run_turn_sync(eng: Engine, w: dict) -> dict:
 
 
 def _kw(p: SamplingParams) -> dict:
-    return dict(temperature=p.temperature, max_tokens=p.max_tokens, ignore_eos=p.ignore_eos)
+    return dict(temperature=p.temperature, max_tokens=p.max_tokens, ignore_eos=p.ignore_eos,
+                stop_token_ids=p.stop_token_ids)
 
 
-def _profiled(fn, enabled: bool) -> tuple[object, list | None]:
-    """fn() under torch.profiler (CUDA activity) when enabled: its result and the top kernels (name, ms, calls)."""
+def _profiled(enabled: bool, fn, *args) -> tuple[object, list | None]:
+    """fn(*args) under torch.profiler (CUDA activity) when enabled: its result and the top kernels (name, ms,
+    calls)."""
     if not enabled:
-        return fn(), None
+        return fn(*args), None
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        out = fn()
+        out = fn(*args)
     ks = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
     return out, [(e.key[:70], round(e.device_time_total / 1e3, 1), e.count) for e in ks[:14]]
 
@@ -187,7 +203,7 @@ def measure(mode: str, hf: torch.nn.Module, w: dict, device: str, prof: bool = F
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     run_mode = run_env_loop if mode.startswith("env_loop") else run_turn_sync  # turn_sync*: one loop
-    counts, top = _profiled(lambda: run_mode(eng, w), prof and device == "cuda")
+    counts, top = _profiled(prof and device == "cuda", run_mode, eng, w)
     if device == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
@@ -197,8 +213,11 @@ def measure(mode: str, hf: torch.nn.Module, w: dict, device: str, prof: bool = F
     busy = None
     if after.gpu_compute_s is not None and before.gpu_compute_s is not None:
         busy = round((after.gpu_compute_s - before.gpu_compute_s) / wall, 4)
-    rec = dict(workload="W4" if w["preset"] != "tiny" else "W4-tiny", mode=mode, preset=w["preset"],
+    geo = w.get("turn_lengths", "fixed") == "geometric"
+    name = "W4-geo" if geo else "W4"
+    rec = dict(workload=name if w["preset"] != "tiny" else f"{name}-tiny", mode=mode, preset=w["preset"],
                conversations=w["conversations"], turns=w["turns"], turn_tokens=w["turn_tokens"],
+               turn_lengths=w.get("turn_lengths", "fixed"),
                timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), wall_s=round(wall, 3),
                model_tokens=generated, tok_s=round(generated / wall, 1), gpu_busy_frac=busy,
                prefill_tokens=prefill, given_tokens=counts["given_tokens"], env_tokens=counts["env_tokens"],
@@ -208,7 +227,8 @@ def measure(mode: str, hf: torch.nn.Module, w: dict, device: str, prof: bool = F
                device=_device(device), commit=_commit())
     if top is not None:
         rec["top_kernels_ms"] = top  # under the profiler: wall and tok/s include its overhead
-    assert counts["model_tokens"] == generated == w["conversations"] * w["turns"] * w["turn_tokens"], (counts, rec)
+    assert counts["model_tokens"] == generated, (counts, rec)
+    assert geo or generated == w["conversations"] * w["turns"] * w["turn_tokens"], rec
     del eng
     gc.collect()
     if device == "cuda":
@@ -216,9 +236,13 @@ def measure(mode: str, hf: torch.nn.Module, w: dict, device: str, prof: bool = F
     return rec
 
 
-def run(tiny: bool, modes: list[str], out: str | None, prof: bool = False) -> list[dict]:
+def run(tiny: bool, modes: list[str], out: str | None, prof: bool = False, turn_lengths: str = "fixed") -> list[dict]:
     device = "cpu" if tiny or not torch.cuda.is_available() else "cuda"
     w = dict(TINY if tiny else W4)
+    if turn_lengths == "geometric":  # mean ~turn_tokens, capped at twice it
+        w.update(turn_lengths="geometric", stop_every=w["turn_tokens"], turn_tokens=2 * w["turn_tokens"])
+    elif turn_lengths != "fixed":
+        raise ValueError(f"turn_lengths must be fixed or geometric, got {turn_lengths!r}")
     w["vocab"] = (TINY_LLAMA if tiny else QWEN3_06B)["vocab_size"]
     hf = build_model(w, device)
     recs = [measure(m, hf, w, device, prof) for m in modes]
@@ -256,10 +280,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="env_loop_hold<K>: the engine loop with engine.turn_prefill_hold_steps=K")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", action="store_true", help="run each mode under torch.profiler: its top kernels")
+    p.add_argument("--turn-lengths", default="fixed", choices=("fixed", "geometric"),
+                   help="geometric: turns end at stop ids (mean 256 tokens, cap 512): W4-geo")
     args = p.parse_args(argv)
     if not args.tiny and not torch.cuda.is_available():
         sys.exit("W4 needs a CUDA GPU (or --tiny for the CPU smoke run)")
-    run(args.tiny, [m for m in args.modes.split(",") if m], args.out, args.profile)
+    run(args.tiny, [m for m in args.modes.split(",") if m], args.out, args.profile, args.turn_lengths)
 
 
 if __name__ == "__main__":

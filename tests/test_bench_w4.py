@@ -23,3 +23,15 @@ def test_w4_tiny_runs_both_modes(tmp_path) -> None:
     assert nocache["prefix_cached_tokens"] == 0 and nocache["prefill_tokens"] > sync["prefill_tokens"]
     assert "vs_turn_sync" in loop and "vs_turn_sync_nocache" in loop and len(out.read_text().splitlines()) == 4
     assert "W4" in load_script("bench").MULTITURN
+
+
+def test_w4_geometric_turns_end_at_stop_ids() -> None:
+    """W4-geo: turns end at stop ids (lengths vary, capped), both modes still count every model token."""
+    spec = importlib.util.spec_from_file_location("bench_multiturn_geo", ROOT / "bench" / "multiturn.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    loop, sync = module.run(True, ["env_loop", "turn_sync"], None, turn_lengths="geometric")
+    assert loop["workload"] == sync["workload"] == "W4-geo-tiny" and loop["turn_tokens"] == 24
+    assert loop["model_tokens"] < 8 * 3 * 24 and sync["model_tokens"] < 8 * 3 * 24  # stops hit before the cap
+    assert loop["prefill_over_given"] == 1.0
