@@ -56,7 +56,7 @@ WORKLOADS = {
     "W2-32K": dict(preset="qwen2.5-1.5b", prompts=64, prompt_len=512, new=32000, n=8),
 }
 # W4 (multi-turn, issue 22) lives in bench/multiturn.py: 256 conversations x 4 turns x 256 tokens, qwen3-0.6b
-MULTITURN = ("W4",)
+MULTITURN = ("W4", "W4-geo")  # W4-geo: turns end at stop ids (geometric lengths, mean 256, cap 512)
 
 
 def build_hf(preset: str) -> torch.nn.Module:
@@ -359,7 +359,7 @@ def run_weight_push(hf: torch.nn.Module, preset: str, repeats: int = 3) -> dict:
     return rec
 
 
-def run_multiturn(out: str | None) -> list[dict]:
+def run_multiturn(out: str | None, name: str = "W4") -> list[dict]:
     """W4: bench/multiturn.py's engine environment loop vs the turn-synchronous loop (it prints the lines)."""
     import importlib.util
 
@@ -368,7 +368,8 @@ def run_multiturn(out: str | None) -> list[dict]:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    return module.run(False, ["env_loop", "turn_sync", "turn_sync_nocache"], out)
+    lengths = "geometric" if name == "W4-geo" else "fixed"
+    return module.run(False, ["env_loop", "turn_sync", "turn_sync_nocache"], out, turn_lengths=lengths)
 
 
 def _commit() -> str:
@@ -422,7 +423,7 @@ def main() -> None:
     models: dict[str, torch.nn.Module] = {}
     for name in args.workload.split(","):
         if name in MULTITURN:
-            run_multiturn(args.out)
+            run_multiturn(args.out, name)
             continue
         w = dict(WORKLOADS[name])
         if args.new:
