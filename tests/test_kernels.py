@@ -178,6 +178,48 @@ def check_backend(q_lens, seq_lens, window=None):
     assert_close(out, ref, 1e-4)
 
 
+def check_prefill_skip_single():
+    """skip_single leaves one-token sequences' rows untouched; every other row still equals the reference."""
+    from rollout.kernels.paged_prefill import paged_prefill_attention
+
+    q_lens, seq_lens = [1, 17, 1, 5], [9, 17, 40, 70]
+    q, cache, meta = scenario(q_lens, seq_lens, 4, 2, 32, 16)
+    ref = reference_attention(q, cache, meta, SCALE)
+    out = torch.full_like(q, 7.0)
+    paged_prefill_attention(q, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, SCALE,
+                            meta.max_query_len, out=out, block_m=16, block_n=16, skip_single=True)
+    single = torch.tensor([0, 18])  # token rows of the two one-token sequences
+    assert bool((out[single] == 7.0).all()), "skip_single wrote a one-token sequence's row"
+    rest = torch.ones(q.shape[0], dtype=torch.bool)
+    rest[single] = False
+    assert_close(out[rest], ref[rest], 1e-4)
+
+
+def check_backend_mixed_decode_rows(window=None):
+    """A mixed step whose one-token sequences go to the decode kernel (meta.decode_rows) equals the torch
+    backend's whole forward."""
+    from rollout.layers.attention_metadata import DecodeRows
+    from rollout.layers.triton_backend import TritonAttentionBackend
+
+    q_lens, seq_lens = [1, 20, 1, 1, 3, 1], [10, 20, 33, 90, 50, 1]
+    q, cache, meta = scenario(q_lens, seq_lens, 4, 2, 16, 8)
+    gen = torch.Generator().manual_seed(2)
+    k, v = torch.randn(q.shape[0], 2, 16, generator=gen), torch.randn(q.shape[0], 2, 16, generator=gen)
+    ref_cache = cache.clone()
+    ref = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, SCALE, window)
+    seqs = [i for i, n in enumerate(q_lens) if n == 1]
+    idx = torch.tensor(seqs)
+    meta.decode_rows = DecodeRows(meta.query_start_loc[idx].long(), meta.block_tables[idx], meta.seq_lens[idx])
+    backend = TritonAttentionBackend()
+    assert backend.uses_decode_rows
+    calls, decode = [], backend._decode
+    backend._decode = lambda *a, **kw: (calls.append(a[0].shape[0]), decode(*a, **kw))[1]
+    out = backend.forward(q, k, v, cache, meta, SCALE, window)
+    assert calls == [len(seqs)], calls  # the one-token sequences went through the decode kernel, once
+    assert torch.equal(cache.nan_to_num(), ref_cache.nan_to_num())
+    assert_close(out, ref, 1e-4)
+
+
 def check_num_splits():
     from rollout.kernels.paged_decode import choose_num_splits
 
@@ -254,6 +296,9 @@ CHECKS = {
     "kv_write": check_kv_write,
     "backend_decode": lambda: check_backend([1, 1, 1], [4, 17, 33]),
     "backend_prefill_window": lambda: check_backend([3, 1, 20], [10, 17, 20], window=9),
+    "prefill_skip_single": check_prefill_skip_single,
+    "backend_mixed_decode_rows": check_backend_mixed_decode_rows,
+    "backend_mixed_decode_rows_window": lambda: check_backend_mixed_decode_rows(window=9),
     "num_splits_heuristic": check_num_splits,
     "split_target": check_split_target,
     "argument_errors": check_errors,

@@ -84,6 +84,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
     V_TRANS: tl.constexpr, SCALE_CONTIG: tl.constexpr, DOT16: tl.constexpr, DOT_PREC: tl.constexpr,
+    SKIP_SINGLE: tl.constexpr = False,
 ):  # fmt: skip
     mb = tl.program_id(0)
     h = tl.program_id(1)
@@ -92,6 +93,9 @@ def _prefill_kernel(
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     if mb * BLOCK_M >= q_len:
         return
+    if SKIP_SINGLE:  # one-token queries are the split-KV decode kernel's (TritonAttentionBackend, mixed steps)
+        if q_len == 1:
+            return
     seq_len = tl.load(seq_lens_ptr + b)
     prefix = seq_len - q_len  # cached tokens before the first new one
     kvh = h // GROUP
@@ -158,12 +162,14 @@ def paged_prefill_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     kv_scales: torch.Tensor | None = None,
+    skip_single: bool = False,
 ) -> torch.Tensor:
     """Causal attention of the new tokens q ([T, Hq, D]) over each sequence's paged context.
 
     ``max_query_len`` (a host int, >= every q_len) sizes the grid; rows of q beyond
     ``query_start_loc[-1]`` are left untouched in ``out``. ``block_m``/``block_n`` override the tile
     sizes (powers of two >= 16), e.g. to keep interpreter tests small. ``kv_scales`` goes with an fp8 cache.
+    ``skip_single``: leave the rows of one-token sequences untouched (the caller computes them by decode).
     """
     check_paged_inputs(q, kv_cache, block_tables, kv_scales)
     window = check_window(sliding_window)
@@ -197,7 +203,7 @@ def paged_prefill_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, PAGE=page, BLOCK_M=bm, BLOCK_N=bn, USE_WINDOW=window > 0,
-        **consts, DOT_PREC=dot_precision(q),
+        **consts, DOT_PREC=dot_precision(q), SKIP_SINGLE=skip_single,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -112,6 +112,7 @@ class TorchAttentionBackend:
     """Plain-torch paged attention: correct everywhere, fast nowhere."""
 
     name = "torch"
+    uses_decode_rows = False  # every row by the reference loop
 
     def forward(
         self,

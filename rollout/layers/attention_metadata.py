@@ -9,6 +9,15 @@ import torch
 
 
 @dataclass(slots=True)
+class DecodeRows:
+    """The one-token sequences of a mixed (not decode-only) step: see ``AttentionMetadata.decode_rows``."""
+
+    token_idx: torch.Tensor  # [Bd] int64: their rows of the flattened token axis
+    block_tables: torch.Tensor  # [Bd, max_blocks] int32
+    seq_lens: torch.Tensor  # [Bd] int32
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Describes one flattened batch of new tokens against the paged KV cache.
 
@@ -34,6 +43,9 @@ class AttentionMetadata:
     # Host copies, for backends that loop on the CPU (the torch reference).
     query_lens_host: list[int] | None = None
     seq_lens_host: list[int] | None = None
+    # A mixed step's one-token sequences (decodes), for backends that give them the decode kernel: their token
+    # indices [Bd] int64, block tables [Bd, max_blocks] and seq_lens [Bd] (gathered once per step, not per layer).
+    decode_rows: DecodeRows | None = None
 
     @property
     def num_seqs(self) -> int:

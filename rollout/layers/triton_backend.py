@@ -2,8 +2,11 @@
 
 Decode-only steps (the bulk of a rollout, and the ones captured in CUDA graphs) take the split-KV
 decode kernel, its chunks balanced over the live context lengths on the device; every other batch
-takes the varlen prefill kernel. Neither reads tensor values on the host, so a decode step is
-graph-capturable as long as the kernels were compiled (warmed up) before capture.
+takes the varlen prefill kernel, except that a mixed step's one-token sequences (``meta.decode_rows``,
+set by the CUDA runner when there are enough of them) go to the decode kernel too: the prefill kernel
+would give each a 64-row tile per query head, re-reading its K/V once per head of a GQA group.
+Neither kernel reads tensor values on the host, so a decode step is graph-capturable as long as the
+kernels were compiled (warmed up) before capture.
 
 The kernel modules are imported when the backend is built, not when this file is imported: Triton
 decides at kernel-definition time whether to compile or interpret, and CPU tests set
@@ -22,6 +25,7 @@ class TritonAttentionBackend:
     """Paged attention with Triton kernels: K/V store, split-KV decode, varlen causal prefill."""
 
     name = "triton"
+    uses_decode_rows = True  # computes AttentionMetadata.decode_rows with the decode kernel (runners set it)
 
     def __init__(self, decode_num_splits: int | None = None) -> None:
         from rollout.kernels.kv_write import write_kv_triton
@@ -55,7 +59,15 @@ class TritonAttentionBackend:
                 q, kv_cache, meta.block_tables, meta.seq_lens, scale,
                 sliding_window=sliding_window, num_splits=self.decode_num_splits, kv_scales=kv_scales,
             )  # fmt: skip
-        return self._prefill(
+        rows = meta.decode_rows
+        out = self._prefill(
             q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-            meta.max_query_len, sliding_window=sliding_window, kv_scales=kv_scales,
+            meta.max_query_len, sliding_window=sliding_window, kv_scales=kv_scales, skip_single=rows is not None,
         )  # fmt: skip
+        if rows is not None:  # a mixed step's decodes: split-KV with GQA packing, not 64-row prefill tiles
+            dec = self._decode(
+                q.index_select(0, rows.token_idx), kv_cache, rows.block_tables, rows.seq_lens, scale,
+                sliding_window=sliding_window, num_splits=self.decode_num_splits, kv_scales=kv_scales,
+            )  # fmt: skip
+            out.index_copy_(0, rows.token_idx, dec)
+        return out

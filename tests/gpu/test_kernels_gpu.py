@@ -211,6 +211,34 @@ def test_prefill_mixed_batch(preset, window):
     assert rel_err(out, reference(q, cache, meta, window)) < 1e-2
 
 
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_backend_mixed_step_decode_rows(kv):
+    """A mixed step with many one-token sequences, as the CUDA runner hands it (``mixed_decode_rows``): the
+    decodes go to the split-KV kernel, the chunks to the prefill kernel; the result equals the same backend
+    without ``decode_rows`` (every row by the prefill kernel) and, in bf16, the fp32 reference."""
+    from types import SimpleNamespace
+
+    from rollout.engine.runners.base import mixed_decode_rows
+
+    hq, hkv, d = PRESETS["qwen3-0.6b"]
+    q_lens = [1] * 40 + [300] + [1] * 30 + [45]
+    seq_lens = random_lens(40, 3000, 5) + [900] + random_lens(30, 8000, 6) + [45]
+    q, cache, meta = build(q_lens, seq_lens, hq, hkv, d)
+    ref = reference(q, cache, meta)
+    flat = cache.view(2, -1, hkv, d)  # the new tokens' K/V as build() put them: storing them changes nothing
+    k, v = flat[0, meta.slot_mapping].clone(), flat[1, meta.slot_mapping].clone()
+    layer = cache if kv == "bf16" else to_fp8(cache)[0]
+    whole = TritonAttentionBackend().forward(q, k, v, layer.clone(), meta, d**-0.5)
+    starts = meta.query_start_loc.tolist()
+    meta.decode_rows = mixed_decode_rows(SimpleNamespace(decode_only=False, query_lens=q_lens, query_start_loc=starts),
+                                         meta)
+    assert meta.decode_rows is not None and meta.decode_rows.token_idx.numel() == 70
+    out = TritonAttentionBackend().forward(q, k, v, layer, meta, d**-0.5)
+    assert rel_err(out, whole.float()) < 2e-2
+    if kv == "bf16":
+        assert rel_err(out, ref) < 1e-2
+
+
 def test_prefill_fp32_tight():
     hq, hkv, d = PRESETS["qwen3-0.6b"]
     q, cache, meta = build([300, 1, 64], [1000, 70, 64], hq, hkv, d, dtype=torch.float32)

@@ -18,11 +18,14 @@ import torch
 from rollout.engine.plan import BatchPlan, SampleResult
 from rollout.engine.runners.inputs import HostInputs, PromptInputs
 from rollout.engine.runners.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
-from rollout.layers.attention_metadata import AttentionMetadata
+from rollout.layers.attention_metadata import AttentionMetadata, DecodeRows
 from rollout.layers.parallel_sampler import sample_vocab_parallel
 from rollout.layers.sampler import Penalties, SamplingTensors, count_samples, top_logprobs
 
 MAX_TOP = 20  # alternatives a step computes when any row asks (rows keep their own k)
+# A mixed step gives its one-token sequences the decode kernel from this many on (fewer: the extra launches,
+# eager, cost more than the prefill kernel's wasted tile rows save)
+MIN_MIXED_DECODE_ROWS = 16
 
 SAMPLING_FIELDS = (("temperature", torch.float32), ("top_k", torch.int64), ("top_p", torch.float32),
                    ("min_p", torch.float32), ("seed", torch.int64), ("position", torch.int64),
@@ -81,6 +84,22 @@ def make_metadata(field: Callable[[str, torch.dtype], torch.Tensor], block_table
         query_lens_host=h.query_lens if h is not None else None,
         seq_lens_host=h.seq_lens if h is not None else None,
     )
+
+
+def mixed_decode_rows(h: HostInputs, meta: AttentionMetadata) -> DecodeRows | None:
+    """A mixed step's one-token sequences as ``DecodeRows`` (on meta's device; the index copy from pinned memory
+    does not wait for the stream), or None for a decode-only step or one with fewer than
+    ``MIN_MIXED_DECODE_ROWS`` of them."""
+    if h.decode_only:
+        return None
+    seqs = [i for i, n in enumerate(h.query_lens) if n == 1]
+    if len(seqs) < MIN_MIXED_DECODE_ROWS:
+        return None
+    device = meta.seq_lens.device
+    pin = device.type == "cuda"
+    both = torch.tensor([seqs, [h.query_start_loc[i] for i in seqs]], dtype=torch.int64, pin_memory=pin)
+    seq_idx, token_idx = both.to(device, non_blocking=True).unbind(0)
+    return DecodeRows(token_idx, meta.block_tables.index_select(0, seq_idx), meta.seq_lens.index_select(0, seq_idx))
 
 
 def make_sampling(field: Callable[[str, torch.dtype], torch.Tensor], suppress: torch.Tensor | None,

@@ -27,6 +27,7 @@ from rollout.engine.runners.base import (
     host_top,
     make_metadata,
     make_sampling,
+    mixed_decode_rows,
 )
 from rollout.engine.runners.graphs import graph_sizes, padded_size
 from rollout.engine.runners.inputs import HostInputs, build_host_inputs
@@ -104,6 +105,7 @@ class CudaRunner:
         self.compute = torch.cuda.Stream(device)
         self.d2h = torch.cuda.Stream(device)
         self.cuda_graphs = cuda_graphs
+        self.mixed_decode = attn_backend.uses_decode_rows
         self.graph_sizes = graph_sizes(max_graph_batch_size, max_num_seqs)
         self.graphs: dict[tuple[int, int, tuple[bool, ...]], torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
@@ -265,6 +267,8 @@ class CudaRunner:
             h.max_query_len if h else 1, h.max_seq_len if h else self.shape.max_blocks * self.block_size,
             h.decode_only if h else True,
         )
+        if h is not None and self.mixed_decode:
+            meta.decode_rows = mixed_decode_rows(h, meta)
         sampling = None
         if n_rows:
             suppress = None
