@@ -12,6 +12,9 @@ the roofline, per step and op class max(bytes / copy bandwidth, FLOPs / bf16 GEM
 token per layer), so the bar is honest where a large batch makes the GEMMs compute-bound;
 ``gpu_busy_frac`` = compute-stream time / wall time; ``vs_hf`` = our tok/s over Hugging Face
 continuous batching's on the same prompts.
+Memory-bound runs (issue 23.5): ``--kv-budget-frac 0.3`` sizes the KV cache to 30% of the bf16 bytes the
+workload needs at full length (fp8: the same bytes), ``--preemption swap,recompute`` runs each KV dtype with and
+without a host swap pool; records carry ``fp8_vs_bf16`` and ``swap_vs_recompute`` (docs/benchmarks.md, W2-mem).
 Imports only torch, transformers and the engine (the GPU machine has no hydra/wandb/datasets).
 """
 
@@ -34,7 +37,9 @@ import torch
 sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != os.path.dirname(os.path.realpath(__file__))]
 
 from rollout import Engine, SamplingParams  # noqa: E402
+from rollout.config import EngineConfig  # noqa: E402
 from rollout.engine.runners.kv_cache import KVCacheTooLarge  # noqa: E402
+from rollout.layers.kv_quant import fp8_block_bytes  # noqa: E402
 
 PRESETS = {  # public config shapes, random weights
     "llama3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -54,6 +59,15 @@ WORKLOADS = {
     "W3": dict(preset="qwen3-0.6b", prompts=256, prompt_len=128, new=1024),
     # 512 + 32000 + 16 stays within qwen2.5-1.5b's 32768 positions
     "W2-32K": dict(preset="qwen2.5-1.5b", prompts=64, prompt_len=512, new=32000, n=8),
+    # Memory-bound W2 (issue 23.5): W2's shape (qwen2.5-1.5b, 512-token prompts, n=8, log-uniform long-tail lengths,
+    # t1 seeded) with 32 prompts = 256 sequences, all admitted at once (max_num_seqs 256), and lengths from 3,072
+    # to 6,144 (W2's run from 256: there few sequences are long at once, so a budget of the all-at-full-length need
+    # hardly binds and the longest sequence's steps set the wall time). ~1.15 M tokens per config. At
+    # --kv-budget-frac 0.3 bf16 KV holds 30% of the need (~10 GiB), fp8 the same bytes (~59%); both preempt.
+    # Expected on one H200 (bench/membound_sim.py, its step model within 4% of W2's measured 113 s): ~45-55 s a
+    # config, so auto,fp8 x swap,recompute (4 configs) ~3.5 min of generation, ~5-6 min with engine builds,
+    # graph capture and the swap pools' pinned allocation.
+    "W2-mem": dict(preset="qwen2.5-1.5b", prompts=32, prompt_len=512, new=6144, min_new=3072, n=8),
 }
 # W4 (multi-turn, issue 22) lives in bench/multiturn.py: 256 conversations x 4 turns x 256 tokens, qwen3-0.6b
 MULTITURN = ("W4", "W4-geo")  # W4-geo: turns end at stop ids (geometric lengths, mean 256, cap 512)
@@ -145,9 +159,10 @@ def sampling_kw(sampling: str, seed: int) -> dict:
 def make_prompts(w: dict, vocab: int, sampling: str = "greedy") -> tuple[list[list[int]], list[SamplingParams]]:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(100, vocab - 100, (w["prompt_len"],), generator=g).tolist() for _ in range(w["prompts"])]
-    if "n" in w:  # W2: long-tailed lengths (log-uniform) up to `new`, a group of n per prompt
-        lens = [int(min(w["new"], math.exp(torch.empty(1).uniform_(math.log(256), math.log(w["new"]),
-                                                                  generator=g).item()))) for _ in prompts]
+    if "n" in w:  # W2: long-tailed lengths (log-uniform) from `min_new` (256) up to `new`, a group of n per prompt
+        low = math.log(w.get("min_new", 256))
+        lens = [int(min(w["new"], math.exp(torch.empty(1).uniform_(low, math.log(w["new"]), generator=g).item())))
+                for _ in prompts]
         params = [SamplingParams(n=w["n"], max_tokens=k, ignore_eos=True, **sampling_kw(sampling, i))
                   for i, k in enumerate(lens)]
     else:
@@ -156,18 +171,133 @@ def make_prompts(w: dict, vocab: int, sampling: str = "greedy") -> tuple[list[li
     return prompts, params
 
 
+PREEMPTION = ("swap", "recompute")  # swap: a host pool (engine swap_space_gib) for what the budget leaves out
+
+
+def kv_block_bytes(preset: str, kv_cache_dtype: str, block_size: int) -> int:
+    """Bytes of one KV block (K and V of every layer, fp8's scales included), as the engine lays it out for
+    ``preset``; ``auto`` is the bench's model dtype, bf16."""
+    _, kw = PRESETS[preset]
+    head_dim = kw.get("head_dim") or kw["hidden_size"] // kw["num_attention_heads"]
+    heads = kw["num_key_value_heads"]
+    if kv_cache_dtype == "fp8":
+        layer = fp8_block_bytes(block_size, heads, head_dim)
+    else:
+        itemsize = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}[kv_cache_dtype]
+        layer = block_size * heads * head_dim * itemsize
+    return 2 * kw["num_hidden_layers"] * layer
+
+
+def kv_need_blocks(prompt_len: int, params: list[SamplingParams], block_size: int) -> int:
+    """Blocks the workload needs with every sequence at full length (prompt + its own ``max_tokens``, W2's
+    long tail included), a group's prompt counted once per sample: what a KV budget is a fraction of."""
+    return sum(p.n * -(-(prompt_len + p.max_tokens) // block_size) for p in params)
+
+
+def check_budget_frac(frac: float) -> float:
+    if not 0.0 < frac <= 1.0:  # NaN fails too
+        raise ValueError(f"--kv-budget-frac must be in (0, 1] (the KV cache as a fraction of the blocks the "
+                         f"workload needs at full length), got {frac}")
+    return frac
+
+
+def kv_budget(need_blocks: int, frac: float, preset: str, kv_cache_dtype: str, block_size: int) -> tuple[int, int]:
+    """(num_blocks, bytes) of a KV cache of ``frac`` x the need's bytes *in bf16*, in ``kv_cache_dtype``'s blocks:
+    fp8 gets the same bytes, so ~1.97x bf16's blocks (what FP8 KV is for when memory binds)."""
+    budget = int(check_budget_frac(frac) * need_blocks * kv_block_bytes(preset, "bfloat16", block_size))
+    block = kv_block_bytes(preset, kv_cache_dtype, block_size)
+    num_blocks = max(1, budget // block)
+    return num_blocks, num_blocks * block
+
+
+def swap_space_gib(need_blocks: int, num_blocks: int, block_bytes: int) -> float:
+    """A host pool holding every block the budget leaves out (rounded up to 1/4 GiB, at least 1/4 GiB)."""
+    return max(0.25, math.ceil(max(0, need_blocks - num_blocks) * block_bytes / 2**30 * 4) / 4)
+
+
+def parse_budget_fracs(text: str) -> list[float]:
+    """``--kv-budget-frac``: a comma list of fractions in (0, 1]."""
+    fracs = []
+    for part in text.split(","):
+        try:
+            frac = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--kv-budget-frac takes a comma list of numbers in (0, 1], "
+                                             f"got {part!r}") from None
+        try:
+            fracs.append(check_budget_frac(frac))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return fracs
+
+
+def parse_preemptions(text: str) -> list[str]:
+    """``--preemption``: a comma list of swap, recompute (each once)."""
+    modes = text.split(",")
+    bad = [m for m in modes if m not in PREEMPTION]
+    if bad or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"--preemption takes a comma list of {', '.join(PREEMPTION)} "
+                                         f"(each once), got {text!r}")
+    return modes
+
+
+def config_ratios(recs: list[dict], first_kv: str) -> list[str]:
+    """Ratios between configurations of one run, written into the records: ``vs_first_kv`` (tok/s over the
+    first --kv-cache-dtype's), ``fp8_vs_bf16`` (fp8 over bf16 KV) at the same workload, mode, budget and
+    preemption; ``swap_vs_recompute`` at the same workload, mode, budget and KV dtype. Returns one summary
+    line per record."""
+    runs = [r for r in recs if "tok_s" in r and "push_ms" not in r]
+
+    def find(r: dict, **want: object) -> dict | None:
+        keys = ("workload", "mode", "kv_budget_frac", "preemption", "kv_cache_dtype")
+        return next((o for o in runs if o is not r and all(o.get(k) == want.get(k, r.get(k)) for k in keys)), None)
+
+    lines = []
+    for r in runs:
+        kv = r.get("kv_cache_dtype")
+        base = find(r, kv_cache_dtype=first_kv) if kv != first_kv else None
+        if base:
+            r["vs_first_kv"] = round(r["tok_s"] / base["tok_s"], 3)
+        bf16 = (find(r, kv_cache_dtype="auto") or find(r, kv_cache_dtype="bfloat16")) if kv == "fp8" else None
+        if bf16:
+            r["fp8_vs_bf16"] = round(r["tok_s"] / bf16["tok_s"], 3)
+        rec = find(r, preemption="recompute") if r.get("preemption") == "swap" else None
+        if rec:
+            r["swap_vs_recompute"] = round(r["tok_s"] / rec["tok_s"], 3)
+        line = (f"summary {r['workload']} {r['mode']} kv={kv} budget={r.get('kv_budget_frac')} "
+                f"preemption={r.get('preemption')}: {r['tok_s']} tok/s, {r.get('preemptions')} preemptions "
+                f"(swap out/in {r.get('swap_outs')}/{r.get('swap_ins')}), wall {r.get('wall_s')} s")
+        for key in ("fp8_vs_bf16", "swap_vs_recompute"):
+            if key in r:
+                line += f", {key} {r[key]}"
+        lines.append(line)
+    return lines
+
+
 def make_engine(hf: torch.nn.Module, w: dict, params: list[SamplingParams], mode: str,
-                args: argparse.Namespace) -> Engine:
-    """Blocks for every sequence at full length (+10%), or the most that fit beside the step's workspace."""
+                args: argparse.Namespace) -> tuple[Engine, dict]:
+    """Blocks for every sequence at full length (+10%), or the most that fit beside the step's workspace; with
+    ``args.kv_budget_frac``, that fraction of the need's bf16 bytes (``kv_budget``) and, for ``args.preemption``
+    swap, a host pool for the rest. Returns the engine and the sizing for the record."""
     n = w.get("n", 1)
-    blocks = int(sum(-(-(w["prompt_len"] + p.max_tokens) // 16) * n for p in params) * 1.1) + 64
     opts = dict(dtype="bfloat16", max_model_len=w["prompt_len"] + w["new"] + 16, max_num_seqs=args.max_num_seqs,
                 async_mode=(mode == "async"), kv_cache_dtype=args.kv_cache_dtype)
+    frac = getattr(args, "kv_budget_frac", None)
+    bs = EngineConfig().block_size
+    need = kv_need_blocks(w["prompt_len"], params, bs)
+    info = dict(kv_budget_frac=frac, kv_need_blocks=need, preemption=getattr(args, "preemption", None) or "recompute")
+    if frac is None:
+        blocks = int(sum(-(-(w["prompt_len"] + p.max_tokens) // bs) * n for p in params) * 1.1) + 64
+    else:
+        blocks, _ = kv_budget(need, frac, w["preset"], args.kv_cache_dtype, bs)
+        if info["preemption"] == "swap":
+            opts["swap_space_gib"] = swap_space_gib(need, blocks, kv_block_bytes(w["preset"], args.kv_cache_dtype, bs))
+    info["swap_space_gib"] = opts.get("swap_space_gib", 0.0)
     try:
-        return Engine.from_pretrained(hf, num_blocks=blocks, **opts)
+        return Engine.from_pretrained(hf, num_blocks=blocks, **opts), dict(info, kv_budget_fit=True)
     except KVCacheTooLarge as e:
         print(f"num_blocks {blocks} does not fit; using {e.max_num_blocks}", flush=True)
-        return Engine.from_pretrained(hf, num_blocks=e.max_num_blocks, **opts)
+        return Engine.from_pretrained(hf, num_blocks=e.max_num_blocks, **opts), dict(info, kv_budget_fit=False)
 
 
 def generate_with_push(engine: Engine, hf: torch.nn.Module, prompts: list, params: list, recompute: bool) -> tuple:
@@ -197,7 +327,9 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
     sampling = sampling_of(w, args)
     prompts, params = make_prompts(w, hf.config.vocab_size, sampling)
     n = w.get("n", 1)
-    engine = make_engine(hf, w, params, mode, args)
+    engine, sizing = make_engine(hf, w, params, mode, args)
+    if engine.kv.block_bytes != kv_block_bytes(w["preset"], args.kv_cache_dtype, engine.kv.config.block_size):
+        sizing["kv_block_bytes_mismatch"] = engine.kv.block_bytes  # the budget's bytes are off: say so
     engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     # Warm (capture) every decode graph size the run will meet, so capture time stays out of the timing.
     runner = engine.runner
@@ -211,6 +343,7 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
     runner.clock.record_steps = True
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    s0 = engine.get_stats()  # warm-up counts stay out of the record
     t0 = time.perf_counter()
     if push is None:
         outs, push_rec = engine.generate(prompts, params), None
@@ -218,6 +351,7 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
         outs, push_rec = generate_with_push(engine, hf, prompts, params, push)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    s1 = engine.get_stats()
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     m = engine.model
     weight_bytes = m.weight_bytes_per_step()  # an untied input embedding is gathered, not read whole
@@ -254,13 +388,19 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
         attention_backend=engine.attn.backend, cuda_graphs=runner.cuda_graphs,
         kv_cache_dtype=args.kv_cache_dtype, kv_capacity_tokens=engine.kv.num_tokens,
         kv_workspace_gib=round(engine.kv.workspace_bytes / 2**30, 2),
-        preemptions=engine.get_stats().num_preemptions, prefill_steps=len(pre),
+        **sizing, num_blocks=engine.kv.num_blocks, kv_bytes=engine.kv.num_blocks * engine.kv.block_bytes,
+        preemptions=s1.num_preemptions - s0.num_preemptions, swap_outs=s1.num_swap_outs - s0.num_swap_outs,
+        swap_ins=s1.num_swap_ins - s0.num_swap_ins, swapped_out_bytes=s1.swapped_out_bytes - s0.swapped_out_bytes,
+        prefill_tokens=s1.num_prefill_tokens - s0.num_prefill_tokens, prefill_steps=len(pre),
         prefill_compute_s=round(sum(r.compute_ms for r in pre) / 1e3, 3),
         max_len_reached=max(len(c.token_ids) for o in outs for c in o.outputs),
         truncated=sum(len(c.token_ids) < sp.max_tokens for o, sp in zip(outs, params) for c in o.outputs),
     )
     if push_rec is not None:
         rec.update(push_rec, workload=f"{name}+push")
+    print(f"{rec['workload']} {mode} kv={rec['kv_cache_dtype']} budget={rec['kv_budget_frac']} "
+          f"preemption={rec['preemption']}: {rec['tok_s']} tok/s, wall {rec['wall_s']} s, {rec['preemptions']} "
+          f"preemptions, swap out/in {rec['swap_outs']}/{rec['swap_ins']}", flush=True)  # kept if the call times out
     del engine, runner
     gc.collect()
     torch.cuda.empty_cache()
@@ -303,8 +443,16 @@ def _teacher_force(hf: torch.nn.Module, prompts: list, outs: list, samples: int,
             done += 1
 
 
-def with_kv(args: argparse.Namespace, kv: str) -> argparse.Namespace:
-    return argparse.Namespace(**{**vars(args), "kv_cache_dtype": kv})
+def with_config(args: argparse.Namespace, kv: str, frac: float | None = None,
+                preemption: str | None = None) -> argparse.Namespace:
+    """``args`` for one configuration: KV dtype, KV budget fraction (None: enough for the workload), preemption."""
+    return argparse.Namespace(**{**vars(args), "kv_cache_dtype": kv, "kv_budget_frac": frac, "preemption": preemption})
+
+
+def configs_of(args: argparse.Namespace) -> list[tuple[str, float | None, str | None]]:
+    """Every (kv dtype, budget, preemption) the options ask for, KV dtype innermost (fp8 right after bf16)."""
+    return [(kv, frac, pre) for frac in args.kv_budget_fracs or [None] for pre in args.preemptions or [None]
+            for kv in args.kv_cache_dtypes]
 
 
 def run_hf(hf: torch.nn.Module, w: dict, modes: list[str]) -> dict:
@@ -392,7 +540,7 @@ def emit(record: dict, out: str | None) -> None:
             f.write(line + "\n")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", default="W1-short", help=f"comma list of {sorted(WORKLOADS) + list(MULTITURN)}")
     p.add_argument("--modes", default="async,sync")
@@ -405,16 +553,43 @@ def main() -> None:
     p.add_argument("--weight-push", action="store_true", help="also time update_weights of the workload's model")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="comma list of auto, bfloat16, float16, float32, fp8; the first is the main run, the others "
-                        "repeat --modes and carry vs_first_kv (tok/s over the first's, same mode)")
+                        "repeat --modes and carry vs_first_kv (tok/s over the first's, same mode, budget, "
+                        "preemption); fp8 runs carry fp8_vs_bf16 when auto or bfloat16 ran too")
+    p.add_argument("--kv-budget-frac", dest="kv_budget_fracs", type=parse_budget_fracs, default=None, metavar="F[,F]",
+                   help="size the KV cache (explicit num_blocks) to F x the bf16 bytes of the blocks the workload "
+                        "needs with every sequence at full length; fp8 gets the same bytes (~2x the blocks). "
+                        "F in (0, 1]; a comma list runs each. Default: room for everything")
+    p.add_argument("--preemption", dest="preemptions", type=parse_preemptions, default=None, metavar="MODE[,MODE]",
+                   help="swap (a host pool for the KV the budget leaves out) and/or recompute (no pool); each "
+                        "runs every KV dtype, swap runs carry swap_vs_recompute. Needs --kv-budget-frac")
     p.add_argument("--logprob-check", type=int, default=0, metavar="N",
                    help="teacher-force the first N completions through HF's bf16 model: mean |dlogprob|")
     p.add_argument("--push-mid-run", action="store_true",
                    help="also run the workload (async) with one update_weights mid-run, recompute_running=True "
                         "and False; extra_wall_s is against the plain async run")
     p.add_argument("--out", default=None)
-    args = p.parse_args()
-    kv_dtypes = args.kv_cache_dtype.split(",")
-    args.kv_cache_dtype = kv_dtypes[0]
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    names = args.workload.split(",")
+    unknown = [n for n in names if n not in WORKLOADS and n not in MULTITURN]
+    if unknown:
+        p.error(f"unknown --workload {unknown}; allowed: {sorted(WORKLOADS) + list(MULTITURN)}")
+    if args.preemptions and not args.kv_budget_fracs:
+        p.error("--preemption compares preemption under a KV budget: give --kv-budget-frac too (e.g. 0.3)")
+    if args.kv_budget_fracs and any(n in MULTITURN for n in names):
+        p.error(f"--kv-budget-frac and --preemption apply to {sorted(WORKLOADS)}, not {list(MULTITURN)}")
+    args.kv_cache_dtypes = args.kv_cache_dtype.split(",")
+    args.kv_cache_dtype, args.kv_budget_frac, args.preemption = configs_of(args)[0]
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    configs = configs_of(args)
     if not torch.cuda.is_available():
         sys.exit("bench.py needs a CUDA GPU")
     bw = copy_bandwidth_tbps()
@@ -435,6 +610,7 @@ def main() -> None:
             models[w["preset"]] = build_hf(w["preset"])
         hf = models[w["preset"]]
         recs = [run_ours(name, w, hf, mode, bw, args, peak=peak) for mode in args.modes.split(",") if mode]
+        firsts = list(recs)
         if len(recs) == 2 and recs[1]["mode"] == "sync":
             recs[0]["vs_sync"] = round(recs[0]["tok_s"] / recs[1]["tok_s"], 3)
             recs[0]["peak_mem_over_sync_gib"] = round(recs[0]["peak_mem_gib"] - recs[1]["peak_mem_gib"], 2)
@@ -446,11 +622,9 @@ def main() -> None:
                 r["vs_hf"] = round(r["tok_s"] / best, 3) if best else None
         if args.weight_push:
             recs.append(run_weight_push(hf, w["preset"]))
-        for kv in kv_dtypes[1:]:
-            for first in [r for r in recs if r.get("kv_cache_dtype") == kv_dtypes[0] and "push_ms" not in r]:
-                r = run_ours(name, w, hf, first["mode"], bw, with_kv(args, kv), peak=peak)
-                r["vs_first_kv"] = round(r["tok_s"] / first["tok_s"], 3)
-                recs.append(r)
+        for config in configs[1:]:
+            for first in firsts:
+                recs.append(run_ours(name, w, hf, first["mode"], bw, with_config(args, *config), peak=peak))
         if args.push_mid_run:
             base = next((r for r in recs if r.get("mode") == "async" and "push_ms" not in r), None)
             for recompute in (True, False):
@@ -459,8 +633,11 @@ def main() -> None:
                     r["extra_wall_s"] = round(r["wall_s"] - base["wall_s"], 3)
                     r["extra_prefill_compute_s"] = round(r["prefill_compute_s"] - base["prefill_compute_s"], 3)
                 recs.append(r)
+        summary = config_ratios(recs, args.kv_cache_dtypes[0])
         for r in recs:
             emit(r, args.out)
+        if len(configs) > 1:
+            print("\n".join(summary), flush=True)
 
 
 if __name__ == "__main__":
