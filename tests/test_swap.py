@@ -96,18 +96,71 @@ def test_short_victim_or_no_host_room_is_recomputed():
 
 
 @pytest.mark.parametrize("async_mode", [False, True])
-def test_groups_keep_sharing_prompt_blocks_and_are_never_swapped(async_mode):
+def test_groups_keep_sharing_prompt_blocks_and_swap_only_their_own(async_mode):
     h = SwapHarness(num_blocks=14, num_host_blocks=32, async_mode=async_mode)
     group = h.add([5] * 9, n=3, max_tokens=10)
     solo = h.add([6] * 9, max_tokens=10)[0]
     while h.sched.has_unfinished() or h.pending is not None:
         h.step()
         running = [s for s in group if s.status is SequenceStatus.RUNNING and len(s.block_table) >= 2]
+        swapped = [s for s in group if h.bm.is_swapped(s)]
         assert len({tuple(s.block_table[:2]) for s in running}) <= 1, "a group's prompt blocks were unshared"
-        assert all(h.bm.blocks[b].ref_count == len(running) for b in (running[0].block_table[:2] if running else []))
+        holders = len(running) + len(swapped)  # a swapped member keeps its hold on the shared prompt blocks
+        assert all(h.bm.blocks[b].ref_count == holders for b in (running[0].block_table[:2] if running else []))
     assert h.sched.num_preemptions >= 1
     for seq in [*group, solo]:
         assert seq.output_token_ids == [1000 * seq.seq_id + i for i in range(10)]
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_group_member_swaps_its_own_blocks_and_resumes_over_the_shared_prompt(async_mode):
+    """GRPO's shape: n samples share the prompt's blocks. A preempted member moves only its own blocks to the
+    host (the shared ones stay, held) and resumes where it stopped; before, sharing ruled swap out entirely."""
+    h = SwapHarness(num_blocks=13, num_host_blocks=32, async_mode=async_mode)
+    group = h.add([5] * 8, n=3, max_tokens=14)  # 2 shared prompt blocks, then 4 own blocks each
+    seen = set()
+    while h.sched.has_unfinished() or h.pending is not None:
+        h.step()
+        for s in group:
+            if h.bm.is_swapped(s):
+                seen.add(s.seq_id)
+                assert h.bm.num_swap_in_blocks(s) < h.bm.swapped_table_len(s)  # the shared blocks were kept
+    assert seen and h.sched.num_swap_outs >= 1 and h.sched.num_swap_ins == h.sched.num_swap_outs
+    for seq in group:
+        starts = [sp.start_pos for p in h.plans for sp in p.seqs if sp.seq_id == seq.seq_id]
+        assert starts == sorted(set(starts)), f"seq {seq.seq_id} recomputed"  # resumed, never went back
+        assert seq.output_token_ids == [1000 * seq.seq_id + i for i in range(14)]
+    assert h.bm.num_free_blocks == 13 and h.bm.num_free_host_blocks == 32
+
+
+def test_block_manager_partial_swap_keeps_shared_blocks_in_table_order():
+    bm = BlockManager(16, 4, True, num_host_blocks=8)
+    sp = SamplingParams(n=2, max_tokens=8, ignore_eos=True)
+    parent = Sequence(0, "r", 0, [7] * 8, 8, sp, 0)
+    child = Sequence(1, "r", 1, [7] * 8, 8, sp, 0, parent=parent)
+    bm.allocate_prefix(parent)
+    bm.append_slots(parent, 8)
+    parent.num_computed_tokens = 8
+    bm.fork(parent, child, 8)
+    for seq in (parent, child):  # 8 tokens of output each: 2 own blocks
+        seq.token_ids += [1] * 8
+        bm.append_slots(seq, 8)
+        seq.num_computed_tokens = 16
+    shared = parent.block_table[:2]
+    assert child.block_table[:2] == shared and bm.num_own_blocks(child) == 2
+    own = child.block_table[2:]
+    copies = bm.swap_out(child)
+    assert [g for g, _ in copies] == own and all(bm.blocks[b].ref_count == 2 for b in shared)
+    assert bm.num_swap_in_blocks(child) == 2 and bm.swapped_table_len(child) == 4
+    bm.check_invariants([parent, child])
+    back = bm.swap_in(child)
+    assert [h for h, _ in back] == [h for _, h in copies]
+    assert child.block_table[:2] == shared and child.block_table[2:] == [g for _, g in back]
+    bm.check_invariants([parent, child])
+    bm.swap_out(child)
+    bm.free(child)  # finished while swapped: its host copies and its hold on the shared blocks both go
+    assert all(bm.blocks[b].ref_count == 1 for b in shared) and bm.num_free_host_blocks == 8
+    bm.check_invariants([parent])
 
 
 def _until_swapped(h, seq, limit=40):
@@ -188,3 +241,24 @@ def test_swap_and_recompute_give_solo_outputs(async_mode):
         assert_matches_hf(hf, prompts[1], outs[1].outputs[0], temperature=0.9)
         assert engine.block_manager.num_free_blocks == engine.num_blocks
         assert engine.block_manager.num_free_host_blocks == engine.kv.num_host_blocks
+
+
+def test_groups_under_pressure_swap_and_match_solo_runs():
+    """n=4 groups in a cache that cannot hold them (the engine end to end; the scheduler tests above pin down
+    which blocks move): every sample equals its run alone, tokens and logprobs, and the pools end empty."""
+    hf = make_tiny_hf_model("llama")
+    prompts = random_prompts(3, hf.config.vocab_size, lo=16, hi=17, seed=5)
+    params = [SamplingParams(temperature=0.9, max_tokens=24, seed=7 + i, ignore_eos=True, n=4) for i in range(3)]
+    alone = make_engine(hf, block_size=4)
+    ref = [alone.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+    engine = make_engine(hf, swap_space_gib=0.01, block_size=4, max_num_seqs=12, num_blocks=40,
+                         max_num_batched_tokens=64)
+    outs = engine.generate(prompts, params)
+    stats = engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.num_swap_outs > 0 and stats.num_swap_ins == stats.num_swap_outs
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in ref]
+    for a, b in zip(_tokens(outs), _tokens(ref)):
+        for (_, lp_a), (_, lp_b) in zip(a, b):
+            assert lp_a == pytest.approx(lp_b, abs=1e-5)
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    assert engine.block_manager.num_free_host_blocks == engine.kv.num_host_blocks

@@ -7,10 +7,11 @@ Prefix cache (vLLM v1 style): a block full of known, computed tokens is register
 of (parent block's hash, its token ids). A freed block keeps its hash and stays a possible hit until the
 allocator needs it; the allocator takes blocks that hold no hash first, then the least recently freed.
 
-Swap (``num_host_blocks`` > 0): ``swap_out`` moves a sequence whose blocks are all unshared to host blocks
-(counts only; the runner copies the bytes) and ``swap_in`` brings it back into fresh device blocks, its
-``num_computed_tokens`` kept. A shared block (a group's prompt, a prefix hit) is never swapped: freeing it
-here would not free it, and copying it back would unshare it.
+Swap (``num_host_blocks`` > 0): ``swap_out`` moves a sequence's own blocks (ref_count 1) to host blocks
+(counts only; the runner copies the bytes) and ``swap_in`` brings them back into fresh device blocks, its
+``num_computed_tokens`` kept. Its shared blocks (a group's prompt, a prefix hit) stay on the device, still
+held by it: freeing one here would not free it, and copying it back would unshare it. So a GRPO group's
+member swaps its own completion and resumes over the prompt blocks its siblings share.
 """
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ class BlockManager:
         self._root = _root_hash(0)
         self.num_host_blocks = num_host_blocks
         self._free_host: deque[int] = deque(range(num_host_blocks))
-        self._swapped: dict[int, list[int]] = {}  # seq_id -> its blocks' host copies, in table order
+        # seq_id -> its table while swapped, in order: (True, host block) for an own block's host copy,
+        # (False, device block) for a shared block it still holds
+        self._swapped: dict[int, list[tuple[bool, int]]] = {}
 
     # ---- counters -------------------------------------------------------------------------------------
 
@@ -131,44 +134,70 @@ class BlockManager:
     def is_swapped(self, seq: Sequence) -> bool:
         return seq.seq_id in self._swapped
 
+    def num_own_blocks(self, seq: Sequence) -> int:
+        """Blocks held by this sequence alone: what a swap-out would move and free."""
+        return sum(self.blocks[b].ref_count == 1 for b in seq.block_table)
+
     def can_swap_out(self, seq: Sequence) -> bool:
-        """Host room for every block, and every block held by this sequence alone."""
-        table = seq.block_table
-        return (bool(table) and len(table) <= len(self._free_host)
-                and all(self.blocks[b].ref_count == 1 for b in table))
+        """At least one block of its own, and host room for all of them."""
+        own = self.num_own_blocks(seq)
+        return 0 < own <= len(self._free_host)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Free the sequence's device blocks into host blocks; returns the (gpu_block, host_block) copies,
-        which must run before any later write to those device blocks (the runner does them first)."""
+        """Free the sequence's own device blocks into host blocks, keeping its shared ones; returns the
+        (gpu_block, host_block) copies, which must run before any later write to those device blocks (the runner
+        does them first)."""
         assert self.can_swap_out(seq), f"seq {seq.seq_id} cannot be swapped out"
-        pairs = []
+        pairs, record = [], []
         for block_id in seq.block_table:
             block = self.blocks[block_id]
+            if block.ref_count > 1:
+                record.append((False, block_id))  # shared: stays, still held by this sequence
+                continue
             block.ref_count = 0
             if block.hash is None:
                 self._free_plain.append(block_id)
             else:
                 self._free_cached[block_id] = None
-            pairs.append((block_id, self._free_host.popleft()))
-        self._swapped[seq.seq_id] = [h for _, h in pairs]
+            host = self._free_host.popleft()
+            pairs.append((block_id, host))
+            record.append((True, host))
+        self._swapped[seq.seq_id] = record
         seq.block_table = []
         return pairs
 
     def num_swap_in_blocks(self, seq: Sequence) -> int:
+        """Fresh device blocks a swap-in takes (its own blocks' host copies)."""
+        return sum(on_host for on_host, _ in self._swapped[seq.seq_id])
+
+    def swapped_table_len(self, seq: Sequence) -> int:
+        """The swapped sequence's table length once back (own and shared blocks)."""
         return len(self._swapped[seq.seq_id])
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Bring a swapped sequence back into fresh device blocks; returns the (host_block, gpu_block) copies."""
-        host = self._swapped[seq.seq_id]
-        assert len(host) <= self.num_free_blocks, f"seq {seq.seq_id}: swap-in needs {len(host)} free blocks"
-        del self._swapped[seq.seq_id]
-        seq.block_table = [self._take_free_block() for _ in host]
-        self._free_host.extend(host)
-        return list(zip(host, seq.block_table))
+        """Bring a swapped sequence back: fresh device blocks for its host copies, in table order between the
+        shared blocks it kept; returns the (host_block, gpu_block) copies."""
+        need = self.num_swap_in_blocks(seq)
+        assert need <= self.num_free_blocks, f"seq {seq.seq_id}: swap-in needs {need} free blocks"
+        record = self._swapped.pop(seq.seq_id)
+        table, copies = [], []
+        for on_host, block_id in record:
+            if on_host:
+                gpu = self._take_free_block()
+                copies.append((block_id, gpu))
+                self._free_host.append(block_id)
+                table.append(gpu)
+            else:
+                table.append(block_id)
+        seq.block_table = table
+        return copies
 
-    def _drop_swapped(self, seq: Sequence) -> None:
-        """Forget a swapped sequence's host copy (it finished, or its KV is no longer wanted)."""
-        self._free_host.extend(self._swapped.pop(seq.seq_id))
+    def _drop_swapped(self, seq: Sequence) -> list[int]:
+        """Forget a swapped sequence's host copies (it finished, or its KV is no longer wanted); returns the
+        shared device blocks it still holds, for the caller to release."""
+        record = self._swapped.pop(seq.seq_id)
+        self._free_host.extend(b for on_host, b in record if on_host)
+        return [b for on_host, b in record if not on_host]
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Fresh blocks ``append_slots`` would take, counting a copy-on-write block."""
@@ -245,7 +274,7 @@ class BlockManager:
         ``register=False`` after a failed step, whose KV writes may not have happened. A swapped
         sequence's host copy is dropped too."""
         if seq.seq_id in self._swapped:
-            self._drop_swapped(seq)
+            seq.block_table = self._drop_swapped(seq)  # the shared blocks it kept: released below
             register = False
         if register and self.enable_prefix_caching and seq.seq_id in self._seq_root:
             self._register_full_blocks(seq)
@@ -284,12 +313,13 @@ class BlockManager:
         host block is either free or held by exactly one swapped, non-resident sequence.
         For tests and debugging; O(blocks + tokens)."""
         holders = [0] * self.num_blocks
-        host_held = [h for hs in self._swapped.values() for h in hs]
+        host_held = [b for record in self._swapped.values() for on_host, b in record if on_host]
         assert sorted(host_held + list(self._free_host)) == list(range(self.num_host_blocks)), "host pool leak"
         for seq in seqs:
             swapped = seq.seq_id in self._swapped
             assert not swapped or not seq.block_table, f"seq {seq.seq_id} swapped and resident"
             num_held = len(self._swapped[seq.seq_id]) if swapped else len(seq.block_table)
+            kept = [b for on_host, b in self._swapped[seq.seq_id] if not on_host] if swapped else []
             assert len(seq.block_hashes) <= num_held, f"seq {seq.seq_id}: more hashes than blocks"
             assert num_held * self.block_size >= seq.num_computed_tokens, f"seq {seq.seq_id}"
             parent = self._seq_root.get(seq.seq_id)
@@ -298,7 +328,7 @@ class BlockManager:
                 tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
                 assert h == self.hash_fn(parent, tokens), f"seq {seq.seq_id}: block {i}'s hash is not its chain"
                 parent = h
-            for block_id in seq.block_table:
+            for block_id in [*seq.block_table, *kept]:
                 holders[block_id] += 1
         assert all(self.blocks[i].hash is None for i in self._free_plain), "a plain free block holds a hash"
         assert all(self.blocks[i].hash is not None for i in self._free_cached), "a cached free block lost its hash"

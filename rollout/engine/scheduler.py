@@ -5,11 +5,12 @@ it has not computed yet (one for decode, a chunk for a prefill); then waiting se
 the token budget, ``max_num_seqs`` and free blocks allow. When blocks run out the newest running
 sequence is preempted, so the oldest always progresses and nothing is lost.
 
-Swap or recompute (the rule): a preempted sequence is swapped to the host pool when its computed context
-is at least ``SWAP_MIN_BLOCKS`` blocks, every block it holds is its own (ref_count 1: a group's shared
-prompt blocks or prefix hits are never swapped) and the pool has room; otherwise its KV is freed and
-recomputed on readmission. Re-prefilling a short context is cheaper than a round trip over PCIe; a long
-one is not. A swapped sequence resumes with its ``num_computed_tokens`` (no recompute).
+Swap or recompute (the rule): a preempted sequence is swapped to the host pool when it holds at least
+``SWAP_MIN_BLOCKS`` blocks of its own (ref_count 1) and the pool has room for them; its shared blocks (a
+group's prompt, prefix hits) stay on the device, still held. Otherwise its KV is freed and recomputed on
+readmission (shared blocks then come back as prefix hits, so recompute also costs only its own tokens).
+Re-prefilling a short context is cheaper than a round trip over PCIe; a long one is not. A swapped
+sequence resumes with its ``num_computed_tokens`` (no recompute).
 
 Admission watermark: a waiting sequence is admitted only if, after its blocks, the free blocks still
 cover one new block for each running (and just admitted) sequence whose next two tokens cross its last
@@ -182,8 +183,8 @@ class Scheduler:
         """Resume a swapped sequence if its blocks (and the watermark) fit; returns its tokens (0: not now)."""
         bm = self.block_manager
         n = self._num_new_tokens(seq, budget)
-        held = bm.num_swap_in_blocks(seq)
-        need = held + max(0, -(-(seq.num_computed_tokens + n) // bm.block_size) - held)
+        table = bm.swapped_table_len(seq)
+        need = bm.num_swap_in_blocks(seq) + max(0, -(-(seq.num_computed_tokens + n) // bm.block_size) - table)
         if n == 0 or need + reserve > bm.num_free_blocks:
             return 0
         swap_in += bm.swap_in(seq)
@@ -372,7 +373,7 @@ class Scheduler:
         (admission waits for it); its KV position is not computed yet, so neither path loses it."""
         self._remove(self.running, seq)
         bm = self.block_manager
-        if seq.num_computed_tokens >= SWAP_MIN_BLOCKS * bm.block_size and bm.can_swap_out(seq):
+        if bm.num_own_blocks(seq) >= SWAP_MIN_BLOCKS and bm.can_swap_out(seq):
             self._swap_out += bm.swap_out(seq)
             self._swapped_now.append(seq)
             self.num_swap_outs += 1
