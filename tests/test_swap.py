@@ -262,3 +262,26 @@ def test_groups_under_pressure_swap_and_match_solo_runs():
             assert lp_a == pytest.approx(lp_b, abs=1e-5)
     assert engine.block_manager.num_free_blocks == engine.num_blocks
     assert engine.block_manager.num_free_host_blocks == engine.kv.num_host_blocks
+
+
+@pytest.mark.parametrize("end", ["rollback", "abort", "recompute_running"])
+def test_swapped_group_member_releases_host_and_shared_blocks(end):
+    """A group member swapped out (holding the shared prompt blocks) then rolled back, aborted or sent to
+    recompute: its host blocks and its hold on the shared blocks both go, and the rest still finish."""
+    h = SwapHarness(num_blocks=13, num_host_blocks=32)
+    group = h.add([5] * 8, n=3, max_tokens=14)
+    for _ in range(60):
+        if any(h.bm.is_swapped(s) for s in group):
+            break
+        h.step()
+    victim = next(s for s in group if h.bm.is_swapped(s))
+    if end == "rollback":
+        h.sched.rollback()
+    elif end == "abort":
+        h.sched.abort(victim.request_id)
+    else:
+        h.sched.recompute_running()
+    assert not h.bm.is_swapped(victim) and h.bm.num_free_host_blocks == 32
+    h.bm.check_invariants(h.sched.running + h.sched.waiting)
+    h.run()
+    assert h.bm.num_free_blocks == 13 and h.bm.num_free_host_blocks == 32
