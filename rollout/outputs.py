@@ -31,7 +31,7 @@ class RequestOutput:
     prompt: str | None = None
     finished: bool = False
     # With ``SamplingParams.prompt_logprobs=k`` (and from ``Engine.score``): each prompt token's logprob given
-    # the tokens before it (the first is None), and per token its k most likely alternatives.
+    # the tokens before it (the first is None), and per token its k most likely alternatives (None when k = 0).
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     # Prompt tokens whose KV came from the prefix cache at the request's first scheduling (vLLM's name)
