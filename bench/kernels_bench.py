@@ -9,6 +9,7 @@ Prefill (eager launches, ``triton.testing.do_bench``) is judged by causal TFLOP/
     python bench/kernels_bench.py --preset qwen2.5-1.5b --sweep-splits --sweep-prefill
     python bench/kernels_bench.py --preset qwen2.5-1.5b --lengths long-tail --batches 64,256,512 \
         --ctxs 16384,32000 --kv bf16,fp8 --compare-legacy --no-prefill   # W2 shapes: before/after, fp8
+    python bench/kernels_bench.py --preset qwen2.5-1.5b --page 128 --fa4 --no-decode   # FA4 vs Triton prefill
 """
 
 from __future__ import annotations
@@ -197,6 +198,85 @@ def time_prefill(args, batch: int, q_len: int, prefix: int, hq: int, hkv: int, d
         print(json.dumps(rec), flush=True)
 
 
+PREFILL_SHAPES = [(1, 4096, 0), (4, 2048, 0), (8, 512, 4096), (1, 8192, 0)]  # (sequences, new tokens, cached prefix)
+
+
+def prefill_meta(q_lens: list[int], seq_lens: torch.Tensor, tables: torch.Tensor):
+    """AttentionMetadata of one step (new tokens at the end of each context; no K/V to store: slots -1)."""
+    from rollout.layers.attention_metadata import AttentionMetadata
+
+    t = sum(q_lens)
+    qsl = torch.tensor([0, *q_lens], device="cuda").cumsum(0).to(torch.int32)
+    return AttentionMetadata(
+        positions=torch.zeros(t, dtype=torch.int64, device="cuda"),
+        slot_mapping=torch.full((t,), -1, dtype=torch.int64, device="cuda"), query_start_loc=qsl,
+        seq_lens=seq_lens, block_tables=tables, max_query_len=max(q_lens), max_seq_len=int(seq_lens.max()),
+        decode_only=all(n == 1 for n in q_lens),
+    )  # fmt: skip
+
+
+def time_prefill_fa4(args, batch: int, q_len: int, prefix: int, hq: int, hkv: int, d: int, dtype) -> None:
+    """The prefill phase through both backends on one step (issue 23.7): ``TritonAttentionBackend`` against
+    ``FA4PrefillBackend`` (FA4's paged varlen kernel), same cache, block tables and metadata; then their
+    outputs' largest difference relative to the Triton output's largest magnitude."""
+    from triton.testing import do_bench
+
+    from rollout.layers.fa4_backend import FA4PrefillBackend
+    from rollout.layers.triton_backend import TritonAttentionBackend
+
+    cache, tables, seq_lens, _ = make_cache(batch, q_len + prefix, hkv, d, args.page, dtype)
+    q = torch.randn(batch * q_len, hq, d, device="cuda", dtype=dtype)
+    meta = prefill_meta([q_len] * batch, seq_lens, tables)
+    visible = batch * (q_len * prefix + q_len * (q_len + 1) / 2)  # causal (query, key) pairs
+    ms, outs = {}, {}
+    for name, backend in (("triton", TritonAttentionBackend()), ("fa4", FA4PrefillBackend(args.page))):
+        fn = lambda b=backend: b._prefill_rows(q, cache, None, meta, d**-0.5, None)
+        outs[name] = fn()  # compiles (FA4: its JIT, seconds) outside the timing
+        ms[name] = do_bench(fn, warmup=10, rep=50, return_mode="median")
+        rec = {
+            "bench": "prefill_backend", "backend": name, "preset": args.preset,
+            "dtype": str(dtype).removeprefix("torch."), "page": args.page, "B": batch, "q_len": q_len,
+            "prefix": prefix, "ms": round(ms[name], 4),
+            "tflops": round(4 * hq * d * visible / ms[name] / 1e9, 1),
+        }  # fmt: skip
+        print(json.dumps(rec), flush=True)
+    diff = (outs["fa4"].float() - outs["triton"].float()).abs().max() / outs["triton"].float().abs().max()
+    rec = {"bench": "fa4_vs_triton_prefill", "preset": args.preset, "page": args.page, "B": batch, "q_len": q_len,
+           "prefix": prefix, "speedup": round(ms["triton"] / ms["fa4"], 3), "max_rel_diff": round(diff.item(), 5)}
+    print(json.dumps(rec), flush=True)
+
+
+def time_mixed_fa4(args, hq: int, hkv: int, d: int, dtype, decodes: int = 64, ctx: int = 16384) -> None:
+    """A W2-like mixed step through each backend's whole ``forward``: a 2048-token prompt beside ``decodes``
+    one-token rows of long-tailed contexts (``decode_rows`` set, as the CUDA runner sets it): FA4 prefill plus
+    Triton decode rows against Triton for both."""
+    from triton.testing import do_bench
+
+    from rollout.layers.attention_metadata import DecodeRows
+    from rollout.layers.fa4_backend import FA4PrefillBackend
+    from rollout.layers.triton_backend import TritonAttentionBackend
+
+    lens = [2048, *long_tail_lens(decodes, ctx, seed=decodes)]
+    q_lens = [2048] + [1] * decodes
+    cache, tables, seq_lens, _ = make_cache(len(lens), ctx, hkv, d, args.page, dtype, lens=lens)
+    meta = prefill_meta(q_lens, seq_lens, tables)
+    idx = torch.arange(1, len(lens), device="cuda")
+    meta.decode_rows = DecodeRows(meta.query_start_loc[idx].long(), tables[idx], seq_lens[idx])
+    t = sum(q_lens)
+    q = torch.randn(t, hq, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(t, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
+    ms = {}
+    for name, backend in (("triton", TritonAttentionBackend()), ("fa4", FA4PrefillBackend(args.page))):
+        fn = lambda b=backend: b.forward(q, k, v, cache, meta, d**-0.5)
+        fn()
+        ms[name] = do_bench(fn, warmup=10, rep=50, return_mode="median")
+    rec = {"bench": "fa4_vs_triton_mixed", "preset": args.preset, "page": args.page, "prefill_tokens": 2048,
+           "decode_rows": decodes, "ctx": ctx, "mean_decode_ctx": round(sum(lens[1:]) / decodes),
+           "triton_ms": round(ms["triton"], 4), "fa4_ms": round(ms["fa4"], 4),
+           "speedup": round(ms["triton"] / ms["fa4"], 3)}
+    print(json.dumps(rec), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", choices=list(PRESETS), default="llama3-8b")
@@ -215,6 +295,10 @@ def main() -> None:
     parser.add_argument("--kv", default="bf16", help="comma list of bf16, fp8 (cache types to time decode and prefill)")
     parser.add_argument("--sweep-prefill", action="store_true", help="time several prefill tile configs")
     parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument("--no-decode", action="store_true", help="skip the decode grid")
+    parser.add_argument("--fa4", action="store_true",
+                        help="time the prefill phase through FA4PrefillBackend vs TritonAttentionBackend (bf16; needs "
+                             "flash-attn-4; use --page 128, FA4's TMA page) and a W2-like mixed step")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kernels_bench.py needs a CUDA GPU")
@@ -228,17 +312,22 @@ def main() -> None:
     }  # fmt: skip
     print(json.dumps(header), flush=True)
     recs = []
-    for kv in args.kv.split(","):
+    for kv in args.kv.split(",") if not args.no_decode else []:
         for batch in args.batches:
             for ctx in args.ctxs:
                 recs += time_decode(args, batch, ctx, hq, hkv, d, dtype, kv)
                 torch.cuda.empty_cache()
     kv_summary(recs)
-    if not args.no_prefill:  # (sequences, new tokens each, cached prefix each)
+    if not args.no_prefill:
         for kv in args.kv.split(","):
-            for batch, q_len, prefix in [(1, 4096, 0), (4, 2048, 0), (8, 512, 4096), (1, 8192, 0)]:
+            for batch, q_len, prefix in PREFILL_SHAPES:
                 time_prefill(args, batch, q_len, prefix, hq, hkv, d, dtype, kv)
                 torch.cuda.empty_cache()
+    if args.fa4:
+        for batch, q_len, prefix in PREFILL_SHAPES:
+            time_prefill_fa4(args, batch, q_len, prefix, hq, hkv, d, dtype)
+            torch.cuda.empty_cache()
+        time_mixed_fa4(args, hq, hkv, d, dtype)
 
 
 if __name__ == "__main__":

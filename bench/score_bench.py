@@ -8,6 +8,7 @@ from the lm_head over every position). Prints JSON lines (and appends them to ``
 
     python bench/score_bench.py --out $OUT/score_bench.jsonl         # qwen2.5-1.5b, 256 x 4096
     python bench/score_bench.py --seqs 32 --len 1024                 # a quick look
+    python bench/score_bench.py --block-size 128 --attention-backend fa4 --profile   # FA4 prefill (issue 23.7)
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def main() -> None:
     p.add_argument("--top-logprobs", type=int, default=0, help="also time score(..., top_logprobs=k)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--attention-backend", default="auto", help="auto | triton | fa4 (FA4 prefill, issue 23.7) | ...")
+    p.add_argument("--block-size", type=int, default=16, help="128: FA4's TMA page (auto picks fa4 there)")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", action="store_true",
                    help="also run each once under torch.profiler: kernel time vs wall, and the top kernels")
@@ -79,7 +82,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(3)
     seqs = [torch.randint(100, vocab - 100, (args.len,), generator=gen).tolist() for _ in range(args.seqs)]
     engine = Engine.from_pretrained(hf, dtype="bfloat16", max_model_len=args.len + 16, enable_prefix_caching=False,
-                                    max_num_seqs=args.seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                                    max_num_seqs=args.seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                    attention_backend=args.attention_backend, block_size=args.block_size)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     # warm-up: Triton kernels compile, graphs capture, allocator settles
     engine.generate([s[:600] for s in seqs[:4]], one)
@@ -96,7 +100,8 @@ def main() -> None:
     for name, wall in best.items():
         rec = dict(bench="score", run=name, preset=args.preset, seqs=args.seqs, len=args.len, wall_s=round(wall, 3),
                    tok_s=round(tokens / wall, 1), timestamp=datetime.datetime.now(datetime.UTC).isoformat(),
-                   device=torch.cuda.get_device_name(), commit=commit)
+                   device=torch.cuda.get_device_name(), commit=commit, attention_backend=engine.attn.backend,
+                   block_size=args.block_size)
         if name != "prefill":
             rec["vs_prefill"] = round(best["prefill"] / wall, 3)  # throughput ratio
             rec["bar"] = BAR

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn", "fa4")  # fa4: FA4 prefill, Triton decode
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8")  # "auto" = the model's dtype
 TP_ALL_REDUCE = ("nccl", "symm_mem")  # the process group's all-reduce; or PyTorch symmetric memory's one-shot
 
@@ -59,9 +59,10 @@ class EngineConfig:
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype == "fp8" and self.attention_backend == "flash_attn":
+        if self.kv_cache_dtype == "fp8" and self.attention_backend in ("flash_attn", "fa4"):
             raise ValueError(
-                "kv_cache_dtype='fp8' needs attention_backend 'triton', 'torch' or 'auto', not 'flash_attn'"
+                "kv_cache_dtype='fp8' needs attention_backend 'triton', 'torch' or 'auto', "
+                f"not {self.attention_backend!r} (it reads no cache with per-token fp8 scales)"
             )
         for name in ("enable_prefix_caching", "async_mode", "cuda_graphs"):
             value = getattr(self, name)

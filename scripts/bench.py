@@ -282,8 +282,9 @@ def make_engine(hf: torch.nn.Module, w: dict, params: list[SamplingParams], mode
     n = w.get("n", 1)
     opts = dict(dtype="bfloat16", max_model_len=w["prompt_len"] + w["new"] + 16, max_num_seqs=args.max_num_seqs,
                 async_mode=(mode == "async"), kv_cache_dtype=args.kv_cache_dtype)
+    bs = getattr(args, "block_size", None) or EngineConfig().block_size
+    opts.update(block_size=bs, attention_backend=getattr(args, "attention_backend", "auto"))
     frac = getattr(args, "kv_budget_frac", None)
-    bs = EngineConfig().block_size
     need = kv_need_blocks(w["prompt_len"], params, bs)
     info = dict(kv_budget_frac=frac, kv_need_blocks=need, preemption=getattr(args, "preemption", None) or "recompute")
     if frac is None:
@@ -385,7 +386,7 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
         eager_decode_steps=sum(not getattr(r, "graph_b", 0) for r in dec) if runner.cuda_graphs else len(dec),
         peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
         copy_bw_tbps=round(bw, 3), device=torch.cuda.get_device_name(), commit=_commit(),
-        attention_backend=engine.attn.backend, cuda_graphs=runner.cuda_graphs,
+        attention_backend=engine.attn.backend, block_size=engine.kv.config.block_size, cuda_graphs=runner.cuda_graphs,
         kv_cache_dtype=args.kv_cache_dtype, kv_capacity_tokens=engine.kv.num_tokens,
         kv_workspace_gib=round(engine.kv.workspace_bytes / 2**30, 2),
         **sizing, num_blocks=engine.kv.num_blocks, kv_bytes=engine.kv.num_blocks * engine.kv.block_bytes,
@@ -567,6 +568,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--push-mid-run", action="store_true",
                    help="also run the workload (async) with one update_weights mid-run, recompute_running=True "
                         "and False; extra_wall_s is against the plain async run")
+    p.add_argument("--block-size", type=int, default=None, help="engine block_size (default: EngineConfig's, 16); "
+                   "128 is FA4's TMA page, where attention_backend auto picks fa4")
+    p.add_argument("--attention-backend", default="auto", help="auto | triton | fa4 | flash_attn | torch")
     p.add_argument("--out", default=None)
     return p
 

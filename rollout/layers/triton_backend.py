@@ -19,6 +19,7 @@ import torch
 
 from rollout.layers.attention import cache_views
 from rollout.layers.attention_metadata import AttentionMetadata
+from rollout.layers.kv_quant import KVPair
 
 
 class TritonAttentionBackend:
@@ -60,10 +61,7 @@ class TritonAttentionBackend:
                 sliding_window=sliding_window, num_splits=self.decode_num_splits, kv_scales=kv_scales,
             )  # fmt: skip
         rows = meta.decode_rows
-        out = self._prefill(
-            q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-            meta.max_query_len, sliding_window=sliding_window, kv_scales=kv_scales, skip_single=rows is not None,
-        )  # fmt: skip
+        out = self._prefill_rows(q, kv_cache, kv_scales, meta, scale, sliding_window)
         if rows is not None:  # a mixed step's decodes: split-KV with GQA packing, not 64-row prefill tiles
             dec = self._decode(
                 q.index_select(0, rows.token_idx), kv_cache, rows.block_tables, rows.seq_lens, scale,
@@ -71,3 +69,20 @@ class TritonAttentionBackend:
             )  # fmt: skip
             out.index_copy_(0, rows.token_idx, dec)
         return out
+
+    def _prefill_rows(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor | KVPair,
+        kv_scales: torch.Tensor | None,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """A step's prefill part: [T, Hq, D], every row computed except, when ``meta.decode_rows`` is set, those
+        one-token sequences' rows (the decode kernel fills them). The per-phase hook ``FA4PrefillBackend``
+        overrides."""
+        return self._prefill(
+            q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, meta.max_query_len,
+            sliding_window=sliding_window, kv_scales=kv_scales, skip_single=meta.decode_rows is not None,
+        )  # fmt: skip
