@@ -96,6 +96,7 @@ def test_tool_faults_and_server_errors_stay_in_their_conversation(env, tokenizer
             {"id": "boom", "prompt": "p2", "calls": call("boom")}]
     limits = EnvLimits(max_turns=3, max_turn_tokens=4, tool_timeout_s=2.0)
     env_fixtures.ENDED.clear()
+    env_fixtures.HANG.clear()  # an earlier module's test may have released it
     t0 = time.monotonic()
     try:
         eps, _ = _run(env.client, tokenizer, env_fixtures.ScriptedTools, rows, limits, ScriptedLoop)
@@ -167,3 +168,47 @@ def test_trl_environment_factory_runs_over_the_server(env, tmp_path, monkeypatch
     assert log["reward"] == 1.0  # AdderEnv.get_reward through TRL's reward path
     assert log["sampling/sampling_logp_difference/max"] <= 1e-4  # the server's logprobs == the trainer's
     assert [[m["role"] for m in messages] for messages in SEEN] == [["assistant", "tool", "assistant"]] * 4
+
+
+def test_train_grpo_script_with_train_env_over_the_server(env, tmp_path, monkeypatch) -> None:
+    """rollout-train-grpo rollout.mode=server train.env=...: TRL's environment_factory, every turn on the server
+    (last here: its pushes move the server's policy version past the earlier tests')."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from rollout.assets import assets_dir
+    from rollout.cli import train_grpo
+    from tests.script_helpers import compose
+    from tests.test_trl_tools import RESPONSE_TEMPLATE, TOOL_TEMPLATE
+
+    monkeypatch.setattr(EnvLoop, "parse_calls",
+                        lambda self, row, turn, *_: [{"name": "add", "arguments": {"a": 2, "b": 3}}] if turn == 1
+                        else [])
+    tok = AutoTokenizer.from_pretrained(str(assets_dir()))
+    tok.chat_template, tok.response_template = TOOL_TEMPLATE, RESPONSE_TEMPLATE
+    tok.save_pretrained(tmp_path / "tok")
+    out = train_grpo.run(compose(
+        "train_grpo", f"output_dir={tmp_path / 'out'}", f"model.cache_dir={env.model_dir.parent}",
+        f"model.tokenizer={tmp_path / 'tok'}", "logger.wandb.mode=disabled", "train.steps=2", "sampling.n=2",
+        "sampling.max_tokens=40", "data.num_prompts=2", "train.env=tests.test_trl_tools:AdderEnv", "train.reward=env",
+        "train.max_turn_tokens=6", "+train.grpo.max_tool_calling_iterations=1", "rollout.mode=server",
+        f"rollout.url={env.server.url}",
+    ))
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2]
+    for x in lines:
+        assert x["tools/call_frequency"] == 1.0 and x["tools/failure_frequency"] == 0.0, x
+        assert x["rollout/logprob_gap_max"] <= 1e-4 and x["reward"] == 1.0
+
+
+def test_the_loop_takes_an_engine_or_a_client_and_refuses_the_rest(env, tokenizer) -> None:
+    from rollout import ContinuousBackend, RequestBackend
+    from rollout.pool.pool import RolloutPool
+
+    assert isinstance(env.client, RequestBackend) and not isinstance(env.client, ContinuousBackend)
+    assert not isinstance(env.engine, RequestBackend)
+    pool = RolloutPool.__new__(RolloutPool)  # its class is what the door looks at
+    with pytest.raises(TypeError, match=r"the environment loop needs an in-process Engine .* or a RolloutClient .*"
+                                        "got RolloutPool"):
+        EnvLoop(pool, None, tokenizer)
