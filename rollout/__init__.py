@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __all__ = [
-    "RolloutBackend", "SteppedBackend", "ContinuousBackend", "BackendLimits",
+    "RolloutBackend", "SteppedBackend", "ContinuousBackend", "RequestBackend", "BackendLimits",
     "Engine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig",
 ]
 __version__ = "0.1.0"
@@ -17,6 +17,7 @@ _WHERE = {
     "RolloutBackend": "rollout.api",
     "SteppedBackend": "rollout.api",
     "ContinuousBackend": "rollout.api",
+    "RequestBackend": "rollout.api",
     "BackendLimits": "rollout.api",
     "Engine": "rollout.engine.engine",
     "SamplingParams": "rollout.sampling_params",
@@ -26,7 +27,7 @@ _WHERE = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from rollout.api import BackendLimits, ContinuousBackend, RolloutBackend, SteppedBackend
+    from rollout.api import BackendLimits, ContinuousBackend, RequestBackend, RolloutBackend, SteppedBackend
     from rollout.config import EngineConfig
     from rollout.engine.engine import Engine
     from rollout.outputs import CompletionOutput, RequestOutput

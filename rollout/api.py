@@ -4,7 +4,9 @@
 push take: ``Engine`` (in process), ``RolloutPool`` (Ray replicas) and ``RolloutClient`` (a server over
 HTTP) implement it. ``SteppedBackend`` adds the step surface (``add_request`` / ``step`` / ``abort``) the
 job's round driver needs (``Engine`` and ``RolloutPool``); ``ContinuousBackend`` adds requests at any step
-and a running request's tokens, which partial rollouts need (``Engine``).
+and a running request's tokens, which partial rollouts need (``Engine``). ``RequestBackend`` adds ``submit``:
+one request answered on its own, from any thread, which the environment loop's turns over a server need
+(``RolloutClient``).
 Each entry point calls ``require_backend`` once at its door; nothing past the door asks what a backend is.
 """
 
@@ -16,10 +18,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # pragma: no cover
+    from concurrent.futures import Future
+
     from rollout.engine.stats import EngineStats
     from rollout.outputs import RequestOutput
 
-__all__ = ["BackendLimits", "ContinuousBackend", "RolloutBackend", "SteppedBackend", "require_backend"]
+__all__ = ["BackendLimits", "ContinuousBackend", "RequestBackend", "RolloutBackend", "SteppedBackend",
+           "require_backend"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,10 +121,20 @@ class ContinuousBackend(SteppedBackend, Protocol, metaclass=_StaticProtocolMeta)
         """A running request's tokens so far (None when unknown or finished)."""
 
 
+@runtime_checkable
+class RequestBackend(RolloutBackend, Protocol, metaclass=_StaticProtocolMeta):
+    """A backend that answers each request on its own, sent from any thread without waiting (a server: the
+    environment loop sends each conversation's next turn as soon as it is ready)."""
+
+    def submit(self, prompt: Any, sampling_params: Any = None) -> Future[RequestOutput]:
+        """One prompt's request, sent now; its ``RequestOutput`` (or the error) when it is answered."""
+
+
 _ACCEPTS = {
     RolloutBackend: "an Engine, a RolloutPool or a RolloutClient",
     SteppedBackend: "an Engine or a RolloutPool (it adds requests and steps them)",
     ContinuousBackend: "an in-process Engine (it adds requests while others run and reads their tokens so far)",
+    RequestBackend: "a RolloutClient (it sends each request on its own, from any thread)",
 }
 
 

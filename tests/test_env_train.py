@@ -265,7 +265,7 @@ def test_train_ppo_with_env(tmp_path, tok, scripted, keys) -> None:
 
 @pytest.mark.parametrize("script, overrides, message", [
     ("train_grpo", ("rollout.mode=partial",), "rollout.mode=partial with pool.replicas=1 is not supported with "
-     "train.env / train.tools and train.trainer=grpo: allowed rollout.mode engine and pool.replicas=1"),
+     "train.env / train.tools and train.trainer=grpo: allowed rollout.mode engine or server and pool.replicas=1"),
     ("train_grpo", ("train.trainer=async_grpo", "rollout.mode=server"),
      "rollout.mode=server needs train.trainer=grpo"),
     ("train_grpo", ("train.trainer=async_grpo", "pool.replicas=2"),

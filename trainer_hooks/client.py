@@ -7,8 +7,10 @@
 
 ``RolloutClient`` is a ``rollout.RolloutBackend`` (``generate``, ``update_weights``, ``policy_version``,
 ``limits``, ``sleep``...), so ``TRLRollout(client)`` and ``push_weights(client, model)`` take it as they take an
-``Engine``. HTTP is the standard library's (one keep-alive connection per thread). Weights travel over a
-``TransferGroup`` the client hosts as rank 0: NCCL when the tensors are on CUDA, gloo otherwise.
+``Engine``; and a ``rollout.RequestBackend`` (``submit``: one request, answered on its own), so the environment
+loop runs multi-turn conversations over it (``rollout.envs.remote_turns``). HTTP is the standard library's (one
+keep-alive connection per thread). Weights travel over a ``TransferGroup`` the client hosts as rank 0: NCCL when the
+tensors are on CUDA, gloo otherwise.
 """
 
 from __future__ import annotations
@@ -158,6 +160,13 @@ class RolloutClient:
             return []
         params = normalize_params(sampling_params, len(prompts))
         return list(self._pool.map(lambda pp: self._complete(*pp), zip(prompts, params)))
+
+    def submit(self, prompt: Any, sampling_params: Any = None) -> Future[RequestOutput]:
+        """One prompt's completions request, sent from the client's pool without waiting (``rollout.RequestBackend``:
+        the environment loop's turns over a server); the future holds its ``RequestOutput`` or the error."""
+        prompt, = normalize_prompts([prompt])
+        params, = normalize_params(sampling_params, 1)
+        return self._pool.submit(self._complete, prompt, params)
 
     def _complete(self, prompt: Any, p: SamplingParams) -> RequestOutput:
         body = {"model": self.model, "prompt": prompt if isinstance(prompt, str) else list(prompt), "n": p.n,

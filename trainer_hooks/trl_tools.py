@@ -9,6 +9,10 @@ environments and tools, each turn continuing from its resident KV, tools off the
 ``EngineGRPOTrainer._tool_call_loop`` hands them to TRL unchanged (``ToolLoopResult``), so TRL masks the tool
 tokens out of the loss and logs ``tools/call_frequency`` and ``tools/failure_frequency`` as usual.
 
+``TRLRollout(client)`` (a ``RolloutClient``: ``rollout.mode=server``) runs the same loop over the server: each turn
+one request of the conversation so far, the earlier turns' KV served by the server's prefix cache
+(``rollout.envs.remote_turns``); the rows are the same.
+
 Limits as TRL's: ``max_tool_calling_iterations`` (model turns = iterations + 1), ``max_completion_length`` for the
 model and tool tokens together (a tool result that would pass it ends the rollout, not appended). Reward functions
 get each rollout's completion as the message list TRL's own loop builds (assistant turns with their ``tool_calls``,
@@ -22,7 +26,6 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from rollout.api import ContinuousBackend, require_backend
 from rollout.envs import EnvLimits, EnvLoop, Episode
 from rollout.envs.render import ChatRenderer
 from rollout.sampling_params import SamplingParams
@@ -62,7 +65,7 @@ class ToolRollouts:
 
     def __init__(self, engine: Any, trainer: Any, tool_timeout_s: float = 60.0,
                  max_turn_tokens: int | None = None) -> None:
-        self.engine = require_backend(engine, "TRLRollout with tools or environment_factory", ContinuousBackend)
+        self.engine = engine  # an in-process Engine or a RolloutClient: EnvLoop's door (rollout.envs.turns) checks
         tok = getattr(trainer, "_tokenizer", None) or trainer.processing_class
         kwargs = dict(getattr(trainer, "chat_template_kwargs", None) or {})
         if getattr(trainer, "chat_template", None) is not None:

@@ -151,12 +151,13 @@ def load_config(raw: dict[str, Any]) -> tuple[RunConfig, TrainConfig, RolloutMod
                              "drops stale groups)")
     # async_grpo's worker is partial by construction (rollout.mode=partial adds max_staleness / recompute_running);
     # TRLRollout's partial mode hands out groups of other prompts than TRL's, whose environments TRL made and reset.
-    modes = ("engine", "partial") if train.trainer == "async_grpo" else ("engine",)
+    # Over a server (grpo) each turn is one request, the earlier turns' KV from its prefix cache.
+    modes = ("engine", "partial") if train.trainer == "async_grpo" else ("engine", "server")
     if (train.env or train.tools) and (mode.mode not in modes or job.pool.replicas > 1):
         raise ValueError(f"rollout.mode={mode.mode} with pool.replicas={job.pool.replicas} is not supported with "
                          f"train.env / train.tools and train.trainer={train.trainer}: allowed rollout.mode "
-                         f"{' or '.join(modes)} and pool.replicas=1 (conversations keep their KV in the in-process "
-                         "engine between turns)")
+                         f"{' or '.join(modes)} and pool.replicas=1 (the environment loop runs on the in-process "
+                         "engine or, with train.trainer=grpo, a rollout server)")
     if job.pool.replicas > 1:
         if mode.mode != "engine" or train.trainer != "grpo":
             raise ValueError(f"pool.replicas={job.pool.replicas} needs rollout.mode=engine and train.trainer=grpo "

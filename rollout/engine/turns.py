@@ -30,10 +30,31 @@ from rollout.sampling_params import SamplingParams
 
 
 class Conversations:
-    """Start, continue and end multi-turn conversations on an in-process ``Engine`` (its step surface)."""
+    """Start, continue and end multi-turn conversations on an in-process ``Engine`` (its step surface): the
+    environment loop's ``rollout.envs.turns.Turns`` for an engine in this process."""
 
     def __init__(self, engine: object) -> None:
         self.engine = engine
+
+    @property
+    def capacity(self) -> int:
+        """Tokens one conversation may hold, prompt included (``max_model_len`` and the KV capacity)."""
+        return min(self.engine.max_model_len, self.engine.kv.num_tokens)
+
+    def busy(self) -> bool:
+        """True while the engine has turns (or another caller's requests) to step."""
+        return self.engine.has_unfinished_requests()
+
+    def step(self) -> list:
+        """One engine step (``make_room`` first); the requests that finished, ours among them: a conversation's
+        ``RequestOutput`` holds every token after its prompt, the environment's included (logprob 0.0)."""
+        self.make_room()
+        return self.engine.step()
+
+    def abort(self, request_id: str) -> None:
+        """End a conversation whatever its state: aborted if running, its KV freed."""
+        self.engine.abort(request_id)
+        self.end(request_id)
 
     def start(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> str:
         """Queue the first turn (``params.max_tokens`` is the turn's budget); its KV outlives the turn."""
@@ -47,9 +68,7 @@ class Conversations:
 
     def room(self, request_id: str) -> int:
         """Tokens the parked conversation may still grow by (``max_model_len`` and KV capacity)."""
-        eng = self.engine
-        seq = eng.scheduler.parked[request_id].seqs[0]
-        return min(eng.max_model_len, eng.kv.num_tokens) - seq.num_tokens
+        return self.capacity - self.engine.scheduler.parked[request_id].seqs[0].num_tokens
 
     def resume(self, request_id: str, given_ids: list[int], params: SamplingParams, max_new_tokens: int) -> bool:
         """Append ``given_ids`` (the environment's tokens) and generate up to ``max_new_tokens`` more.

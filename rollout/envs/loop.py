@@ -5,6 +5,10 @@ turn ends its environment is called *off the engine thread* (sync methods in a t
 an asyncio loop) while every other conversation keeps decoding; the reply is rendered with the chat template in
 the pool and appended to the same sequence (``Conversations.resume``: prefill tokens, logprob 0.0, env_mask 0).
 
+The engine may also be a rollout server (``RolloutClient``): the loop then drives ``RemoteTurns`` instead of the
+engine's ``Conversations`` (``rollout.envs.turns``): each turn is one request of the conversation so far, sent as
+soon as it is ready, the earlier turns' KV served by the server's prefix cache; the rows are the same.
+
 Faults stay in their own conversation (each documented as the row it gives):
 
 - a tool that raises: its message is the tool's result, ``{'error': '...'}`` as TRL renders it; ``tool_failures``
@@ -18,6 +22,8 @@ Faults stay in their own conversation (each documented as the row it gives):
   ``finish_reason="env_error"`` and ``error`` naming the method and the exception (reward None).
 - a reply that would not fit ``max_model_len`` (or the KV capacity) with one more model token, or a turn that
   fills it: ``finish_reason="length"``; the reply is not appended.
+- a turn the server refuses or fails (over a ``RolloutClient``: ``RequestRejected``, ``ServerError``, a broken
+  connection): ``finish_reason="env_error"``, ``error`` naming it; the tokens made so far stay in the row.
 - a tool conversation ends (``"stop"``) at a turn with no tool call; a step one when ``step`` returns None;
   either ends with the last turn's reason at ``max_turns`` model turns (its tool calls are not executed, as in
   TRL; a step environment still sees the text, so it can score it).
@@ -29,11 +35,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.engine.turns import Conversations
 from rollout.envs.calls import EnvCalls
 from rollout.envs.protocol import EnvSpec
 from rollout.envs.render import ChatRenderer
 from rollout.envs.tool_calls import parse_tool_calls
+from rollout.envs.turns import TurnFailed, turns_for
 from rollout.sampling_params import SamplingParams
 
 
@@ -88,7 +94,7 @@ class _Conv:
     rid: str = ""
     tools: dict[str, Callable[..., Any]] = field(default_factory=dict)
     last_token: int | None = None
-    live: bool = False  # started in the engine and not ended
+    live: bool = False  # started on the turns backend and not ended
 
 
 def truncate(text: str, limit: int) -> str:
@@ -102,11 +108,12 @@ class EnvLoop:
                  renderer: Any = None, **chat_template_kwargs: Any) -> None:
         """``spec`` None: conversations come with their prompt ids and tools (``run_prepared``, TRL's trainer
         path). ``renderer``: what turns prompts and replies into ids and ids into text (``ChatRenderer`` of the
-        tokenizer by default; a benchmark on token ids passes its own)."""
+        tokenizer by default; a benchmark on token ids passes its own). ``engine``: an in-process ``Engine`` or a
+        ``RolloutClient`` (``rollout.envs.turns.turns_for``; anything else is a TypeError)."""
+        self.turns = turns_for(engine)
         self.engine, self.spec, self.limits, self.tok = engine, spec, limits, tokenizer
         self.is_step = spec is not None and spec.is_step
         self.has_reward = spec is not None and spec.has_reward
-        self.convs = Conversations(engine)
         schemas = spec.schemas if spec is not None else None
         self.render = renderer or ChatRenderer(tokenizer, schemas, **chat_template_kwargs)
         self.calls = EnvCalls(limits.env_workers)
@@ -164,17 +171,16 @@ class EnvLoop:
         self._active += len(convs)
 
     def drive(self, until: Callable[[], bool] | None = None) -> None:
-        """Step the engine and the environments until every conversation is done (or ``until()`` holds, checked
-        after each step: the others keep their state, KV and calls in flight, for a later ``drive``). If it
+        """Step the engine (its turns) and the environments until every conversation is done (or ``until()`` holds,
+        checked after each step: the others keep their state, KV and calls in flight, for a later ``drive``). If it
         raises, every conversation is ended (aborted) and forgotten."""
         self._to_resume = [x for x in self._to_resume if x[0].rid in self._rid_map]
         try:
             while self._active and not (until is not None and until()):
                 self.calls.poll()
                 self._resume_ready()
-                if self.engine.has_unfinished_requests():
-                    self.convs.make_room()
-                    for out in self.engine.step():
+                if self.turns.busy():
+                    for out in self.turns.step():
                         self._turn_ended(out)
                 elif not self.calls.num_pending and not self._to_resume:
                     raise RuntimeError(f"the environment loop stalled: {self._active} conversations neither run "
@@ -189,8 +195,7 @@ class EnvLoop:
         """End every conversation now (aborted, KV freed) and forget them and their calls in flight."""
         for c in self._rid_map.values():
             if c.live:
-                self.engine.abort(c.rid)
-                self.convs.end(c.rid)
+                self.turns.abort(c.rid)
                 c.live = False
         self._rid_map, self._to_resume, self._active = {}, [], 0
         self.calls.forget()  # their late results are dropped
@@ -215,12 +220,12 @@ class EnvLoop:
         if error is not None:
             return self._fail(c, f"the prompt could not be rendered: {type(error).__name__}: {error}")
         c.ep.prompt, c.ep.prompt_ids = rendered
-        cap = min(self.engine.max_model_len, self.engine.kv.num_tokens)
+        cap = self.turns.capacity
         budget = min(self.limits.max_turn_tokens, cap - len(c.ep.prompt_ids), self._completion_room(c))
         if budget < 1:
             return self._fail(c, f"the prompt has {len(c.ep.prompt_ids)} tokens; max_model_len is {cap}")
         try:
-            self.convs.start(c.ep.prompt_ids, _turn_params(c.params, budget), c.rid)
+            self.turns.start(c.ep.prompt_ids, _turn_params(c.params, budget), c.rid)
         except ValueError as e:  # the engine refuses the prompt (a token outside the vocabulary...)
             return self._fail(c, f"the engine refused the prompt: {e}")
         c.live = True
@@ -229,6 +234,8 @@ class EnvLoop:
         c = self._rid_map.get(out.request_id)
         if c is None:  # another caller's request on a shared engine: not ours to handle
             return
+        if isinstance(out, TurnFailed):
+            return self._fail(c, out.message)
         comp = out.outputs[0]
         ep = c.ep
         new = comp.token_ids[len(ep.env_mask):]
@@ -240,8 +247,7 @@ class EnvLoop:
         reason = comp.finish_reason or "abort"
         text = self.render.decode(new)
         ep.messages.append({"role": "assistant", "content": text})
-        full = (len(ep.prompt_ids) + len(comp.token_ids) >= min(self.engine.max_model_len, self.engine.kv.num_tokens)
-                or self._completion_room(c) < 1)
+        full = len(ep.prompt_ids) + len(comp.token_ids) >= self.turns.capacity or self._completion_room(c) < 1
         if reason == "abort" or full:
             return self._end(c, reason if reason == "abort" else "length")
         if self.is_step:
@@ -305,7 +311,7 @@ class EnvLoop:
     def _append(self, c: _Conv, ids: Any, error: BaseException | None, messages: list[dict[str, Any]]) -> None:
         if error is not None:
             return self._fail(c, f"the reply could not be rendered: {type(error).__name__}: {error}")
-        if len(ids) + 1 > min(self.convs.room(c.rid), self._completion_room(c)):
+        if len(ids) + 1 > min(self.turns.room(c.rid), self._completion_room(c)):
             return self._end(c, "length")
         c.ep.messages += messages
         self._to_resume.append((c, ids))
@@ -315,7 +321,7 @@ class EnvLoop:
         waiting, self._to_resume = self._to_resume, []
         for c, ids in waiting:
             budget = min(self.limits.max_turn_tokens, self._completion_room(c) - len(ids))
-            if self.convs.resume(c.rid, ids, c.params, budget):
+            if self.turns.resume(c.rid, ids, c.params, budget):
                 c.ep.env_mask += [0] * len(ids)
             else:
                 self._to_resume.append((c, ids))
@@ -323,7 +329,7 @@ class EnvLoop:
     def _end(self, c: _Conv, reason: str) -> None:
         c.ep.finish_reason = reason
         if c.live:
-            self.convs.end(c.rid)
+            self.turns.end(c.rid)
             c.live = False
         if self.has_reward and c.env is not None:
             self._call(c, c.env.get_reward, (), {}, lambda r, e: self._rewarded(c, r, e), True)
@@ -343,7 +349,7 @@ class EnvLoop:
     def _fail(self, c: _Conv, message: str) -> None:
         c.ep.finish_reason, c.ep.error = "env_error", message
         if c.live:
-            self.convs.end(c.rid)
+            self.turns.end(c.rid)
             c.live = False
         self._done(c)
 
