@@ -81,6 +81,7 @@ def test_environment_factory_runs_on_the_engine_with_env_mask(tmp_path, monkeypa
 
     from trainer_hooks.grpo import EngineGRPOTrainer
 
+    SEEN.clear()  # the reward function's record is shared with tests/test_env_remote.py (which runs first)
     monkeypatch.setattr(EnvLoop, "parse_calls",
                         lambda self, row, turn, *_: [{"name": "add", "arguments": {"a": 2, "b": 3}}] if turn == 1
                         else [])
