@@ -5,8 +5,8 @@ push take: ``Engine`` (in process), ``RolloutPool`` (Ray replicas) and ``Rollout
 HTTP) implement it. ``SteppedBackend`` adds the step surface (``add_request`` / ``step`` / ``abort``) the
 job's round driver needs (``Engine`` and ``RolloutPool``); ``ContinuousBackend`` adds requests at any step
 and a running request's tokens, which partial rollouts need (``Engine``). ``RequestBackend`` adds ``submit``:
-one request answered on its own, from any thread, which the environment loop's turns over a server need
-(``RolloutClient``).
+one request answered on its own, from any thread, which the environment loop's turns over a server or a pool
+need (``RolloutClient``, ``RolloutPool``).
 Each entry point calls ``require_backend`` once at its door; nothing past the door asks what a backend is.
 """
 
@@ -126,15 +126,18 @@ class RequestBackend(RolloutBackend, Protocol, metaclass=_StaticProtocolMeta):
     """A backend that answers each request on its own, sent from any thread without waiting (a server: the
     environment loop sends each conversation's next turn as soon as it is ready)."""
 
-    def submit(self, prompt: Any, sampling_params: Any = None) -> Future[RequestOutput]:
-        """One prompt's request, sent now; its ``RequestOutput`` (or the error) when it is answered."""
+    def submit(self, prompt: Any, sampling_params: Any = None, routing_key: str | None = None
+               ) -> Future[RequestOutput]:
+        """One prompt's request, sent now; its ``RequestOutput`` (or the error) when it is answered. Requests with
+        the same ``routing_key`` go to the same engine where the backend has several (a pool), so its prefix cache
+        serves what they share (a conversation's earlier turns); one engine ignores it."""
 
 
 _ACCEPTS = {
     RolloutBackend: "an Engine, a RolloutPool or a RolloutClient",
     SteppedBackend: "an Engine or a RolloutPool (it adds requests and steps them)",
     ContinuousBackend: "an in-process Engine (it adds requests while others run and reads their tokens so far)",
-    RequestBackend: "a RolloutClient (it sends each request on its own, from any thread)",
+    RequestBackend: "a RolloutClient or a RolloutPool (it sends each request on its own, from any thread)",
 }
 
 

@@ -53,8 +53,8 @@ def test_job_writes_multi_turn_rows_matching_hf(cache_dir: Path, tmp_path: Path)
 def test_job_refuses_a_bad_environment(cache_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="rollout.env='tests.env_fixtures:Nope'"):
         run_job(tmp_path / "a", cache_dir, "rollout.env=tests.env_fixtures:Nope")
-    with pytest.raises(ValueError, match="must be null with pool.replicas=2"):
-        run_job(tmp_path / "b", cache_dir, "pool.replicas=2")
+    with pytest.raises(ValueError, match="must be drain with pool.replicas=2"):
+        run_job(tmp_path / "b", cache_dir, "pool.replicas=2", "rollout.mode=partial")
 
 
 PARTIAL = ["rollout.mode=partial", "data.num_prompts=2", "rollout.max_inflight_groups=4"]

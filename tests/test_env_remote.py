@@ -122,7 +122,7 @@ def test_tool_faults_and_server_errors_stay_in_their_conversation(env, tokenizer
     finally:
         loop.close()
     assert bad.finish_reason == "env_error" and bad.completion_ids == []
-    assert bad.error.startswith("the rollout server did not generate the turn: RequestRejected: 400"), bad.error
+    assert bad.error.startswith("the rollout backend did not generate the turn: RequestRejected: 400"), bad.error
     assert fine.error is None and fine.finish_reason == "stop" and fine.num_turns == 1 and fine.completion_ids
 
 
@@ -202,13 +202,14 @@ def test_train_grpo_script_with_train_env_over_the_server(env, tmp_path, monkeyp
         assert x["rollout/logprob_gap_max"] <= 1e-4 and x["reward"] == 1.0
 
 
-def test_the_loop_takes_an_engine_or_a_client_and_refuses_the_rest(env, tokenizer) -> None:
+def test_the_loop_takes_an_engine_a_client_or_a_pool_and_refuses_the_rest(env, tokenizer) -> None:
     from rollout import ContinuousBackend, RequestBackend
     from rollout.pool.pool import RolloutPool
 
     assert isinstance(env.client, RequestBackend) and not isinstance(env.client, ContinuousBackend)
     assert not isinstance(env.engine, RequestBackend)
     pool = RolloutPool.__new__(RolloutPool)  # its class is what the door looks at
-    with pytest.raises(TypeError, match=r"the environment loop needs an in-process Engine .* or a RolloutClient .*"
-                                        "got RolloutPool"):
-        EnvLoop(pool, None, tokenizer)
+    assert isinstance(pool, RequestBackend) and not isinstance(pool, ContinuousBackend)
+    with pytest.raises(TypeError, match=r"the environment loop needs an in-process Engine .* or a RolloutClient or "
+                                        "RolloutPool .*got object"):
+        EnvLoop(object(), None, tokenizer)

@@ -161,9 +161,11 @@ class RolloutClient:
         params = normalize_params(sampling_params, len(prompts))
         return list(self._pool.map(lambda pp: self._complete(*pp), zip(prompts, params)))
 
-    def submit(self, prompt: Any, sampling_params: Any = None) -> Future[RequestOutput]:
+    def submit(self, prompt: Any, sampling_params: Any = None, routing_key: str | None = None
+               ) -> Future[RequestOutput]:
         """One prompt's completions request, sent from the client's pool without waiting (``rollout.RequestBackend``:
-        the environment loop's turns over a server); the future holds its ``RequestOutput`` or the error."""
+        the environment loop's turns over a server); the future holds its ``RequestOutput`` or the error.
+        ``routing_key`` is ignored: one server holds every conversation's prefix."""
         prompt, = normalize_prompts([prompt])
         params, = normalize_params(sampling_params, 1)
         return self._pool.submit(self._complete, prompt, params)

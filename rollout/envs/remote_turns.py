@@ -1,17 +1,20 @@
-"""The environment loop's turns over a rollout server (``RolloutClient``, a ``rollout.RequestBackend``).
+"""The environment loop's turns over a ``rollout.RequestBackend``: a rollout server (``RolloutClient``) or a Ray
+pool (``RolloutPool``).
 
-Each turn is one completions request of the whole conversation so far (the prompt, every model turn and every
-environment reply, as token ids) with ``max_tokens`` = the turn's budget, sent from the client's thread pool as
-soon as the conversation is ready: every conversation proceeds on its own, and a slow tool stalls only its own.
-The server keeps no conversation state; its prefix cache serves the earlier turns' KV (every full block of the
-previous request's prompt and completion; the partial last block is recomputed), so a turn computes little more
-than the environment's reply. ``RequestOutput.num_cached_tokens`` of each turn says how much the cache served.
+Each turn is one request of the whole conversation so far (the prompt, every model turn and every environment
+reply, as token ids) with ``max_tokens`` = the turn's budget, sent with ``backend.submit`` as soon as the
+conversation is ready: every conversation proceeds on its own, and a slow tool stalls only its own. The backend
+keeps no conversation state; its prefix cache serves the earlier turns' KV (every full block of the previous
+request's prompt and completion; the partial last block is recomputed), so a turn computes little more than the
+environment's reply. Each turn is sent with the conversation's id as ``routing_key``: a pool sends every turn of
+a conversation to the same replica, whose prefix cache holds the earlier ones. ``RequestOutput.num_cached_tokens``
+of each turn says how much the cache served.
 
 What ``step`` returns is shaped as the in-process path's outputs: a conversation's completion holds every token
 after its prompt (model and environment), logprob 0.0 and the last model token's policy version at environment
-tokens. A request that fails (``RequestRejected``, ``ServerError``, a broken connection) becomes a ``TurnFailed``
-for its conversation alone. ``abort`` and ``end`` forget a conversation: a turn still in flight runs to its end on
-the server (there is no per-request abort route) and its result is dropped.
+tokens. A request that fails (``RequestRejected``, ``ServerError``, a broken connection, a dead pool replica)
+becomes a ``TurnFailed`` for its conversation alone. ``abort`` and ``end`` forget a conversation: a turn still in
+flight runs to its end on the backend (there is no per-request abort) and its result is dropped.
 
 Sampling: each turn's request starts its sampler at output position 0, so a seeded conversation's turn seed is
 derived from the seed and the tokens before the turn (deterministic, different per turn); at temperature > 0 the
@@ -113,7 +116,7 @@ class RemoteTurns:
             try:
                 out = fut.result()
             except Exception as e:  # noqa: BLE001 - whatever failed the request fails this conversation only
-                ended.append(TurnFailed(rid, f"the rollout server did not generate the turn: {type(e).__name__}: "
+                ended.append(TurnFailed(rid, f"the rollout backend did not generate the turn: {type(e).__name__}: "
                                              f"{e}"))
                 continue
             comp = out.outputs[0]
@@ -129,6 +132,6 @@ class RemoteTurns:
     def _send(self, rid: str, conv: _Remote, params: SamplingParams) -> None:
         if params.seed is not None and conv.token_ids:  # each request samples from position 0: a new turn seed
             params = dataclasses.replace(params, seed=(params.seed + _SEED_STEP * len(conv.token_ids)) % MAX_SEED)
-        fut = conv.future = self.client.submit(conv.prompt_ids + conv.token_ids, params)
+        fut = conv.future = self.client.submit(conv.prompt_ids + conv.token_ids, params, routing_key=rid)
         self._running.add(rid)
         fut.add_done_callback(lambda f, rid=rid: self._done.put((rid, f)))

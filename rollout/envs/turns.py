@@ -2,9 +2,10 @@
 
 - an in-process ``Engine`` (``rollout.ContinuousBackend``): ``rollout.engine.turns.Conversations``; each turn
   continues the same engine sequence, its KV resident between turns, and ``step`` is the engine's step;
-- a rollout server (``rollout.RequestBackend``: ``RolloutClient``): ``rollout.envs.remote_turns.RemoteTurns``;
-  each turn is one request of the whole conversation so far, and the server's prefix cache serves the earlier
-  turns' KV.
+- a rollout server or a Ray pool (``rollout.RequestBackend``: ``RolloutClient``, ``RolloutPool``):
+  ``rollout.envs.remote_turns.RemoteTurns``; each turn is one request of the whole conversation so far, and the
+  prefix cache of the server (of the pool replica every turn of the conversation is routed to) serves the
+  earlier turns' KV.
 
 Either way a finished turn comes back from ``step`` as a ``RequestOutput`` whose completion holds every token after
 the prompt (model and environment), with logprob 0.0 and the last model token's policy version at environment
@@ -70,5 +71,5 @@ def turns_for(backend: Any) -> Turns:
 
         return RemoteTurns(backend)
     raise TypeError("the environment loop needs an in-process Engine (a rollout.ContinuousBackend: each "
-                    "conversation keeps its KV between turns) or a RolloutClient (a rollout.RequestBackend: each turn "
-                    f"one request to the server), got {type(backend).__name__}")
+                    "conversation keeps its KV between turns) or a RolloutClient or RolloutPool (a "
+                    f"rollout.RequestBackend: each turn one request), got {type(backend).__name__}")

@@ -45,7 +45,8 @@ class RolloutConfig:
     # each round the newest unseen complete one is loaded and the round's tokens carry policy_version N.
     weights_from: str | None = None
     # Multi-turn: an environment per conversation (TRL's environment_factory protocol, rollout/envs/):
-    # 'package.module:factory'; None = single-turn completions. Each turn continues from the resident KV.
+    # 'package.module:factory'; None = single-turn completions. Each turn continues from the resident KV (over a
+    # pool, drain mode only: from the prefix cache of the replica that holds the conversation).
     env: str | None = None
     max_turns: int = 4  # model turns per conversation
     max_turn_tokens: int | None = None  # tokens generated per turn; None = sampling.max_tokens
@@ -83,12 +84,11 @@ class JobConfig(RunConfig):
     def __post_init__(self) -> None:
         RunConfig.__post_init__(self)
         if self.rollout.mode == "partial" and self.pool.replicas > 1:
+            env = self.rollout.env
+            what = "running groups" if env is None else f"running conversations (rollout.env={env!r})"
             fail("rollout.mode", "partial", f"drain with pool.replicas={self.pool.replicas}: a pool runs each round "
-                 "to its end, while partial rollouts carry running groups across rounds in the in-process engine "
+                 f"to its end, while partial rollouts carry {what} across rounds in the in-process engine "
                  "(pool.replicas=1)")
-        if self.rollout.env is not None and self.pool.replicas > 1:
-            fail("rollout.env", self.rollout.env, f"null with pool.replicas={self.pool.replicas}: conversations keep "
-                 "their KV in the in-process engine (pool.replicas=1)")
 
     def resume_mismatches(self, saved: Mapping[str, Any]) -> list[str]:
         """Keys whose value differs from a saved run's config, ignoring those a resume may change."""

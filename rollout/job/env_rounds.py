@@ -3,7 +3,10 @@
 Drain mode: round r takes the prompts at stream positions [r * num_prompts, (r + 1) * num_prompts); partial mode
 carries unfinished groups across rounds (``EnvRoundDriver``). Each prompt gets ``sampling.n`` conversations (a
 group), each with its own environment instance and its own seed (a hash of the job seed, the round that admitted
-the group and the group, plus the sample index), through ``EnvLoop`` on the in-process engine. A row's completion
+the group and the group, plus the sample index), through ``EnvLoop`` on the in-process engine (each conversation's
+KV resident between turns) or, in drain mode, on a ``RolloutPool`` (each turn one request, every turn of a
+conversation on the same replica, whose prefix cache serves the earlier turns; weights pushed between rounds reach
+every replica). A row's completion
 holds the model's and the environment's tokens; ``env_mask`` tells them apart, ``logprobs`` are 0.0 at environment
 tokens, and ``reward`` is the environment's ``get_reward()`` (or the job's ``rollout.reward`` on the completion's
 text when the environment has none).
@@ -17,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.api import ContinuousBackend, require_backend
+from rollout.api import ContinuousBackend, RolloutBackend, require_backend
 from rollout.envs import EnvLimits, EnvLoop, EnvSpec, Episode
 from rollout.job.data import PromptDataset, column_name
 from rollout.job.rounds import RoundResult
@@ -59,7 +62,10 @@ class EnvRoundDriver:
                  seed: int | None = None, mode: str = "drain", max_inflight_groups: int | None = None,
                  max_staleness: int | None = None, stale_groups: str = "drop", recompute_running: bool = True,
                  state: dict[str, Any] | None = None) -> None:
-        self.engine = require_backend(engine, "the main job with rollout.env", ContinuousBackend)
+        # drain: any backend the environment loop takes (its door says which); partial carries running
+        # conversations across rounds and weight pushes, in the in-process engine only
+        self.engine = require_backend(engine, f"the main job with rollout.env and rollout.mode={mode!r}",
+                                      ContinuousBackend if mode == "partial" else RolloutBackend)
         if dataset.tokenizer is None:
             raise ValueError("rollout.env needs a tokenizer with a chat template; set model.tokenizer")
         self.dataset, self.params, self.num_prompts = dataset, sampling_params, num_prompts

@@ -6,11 +6,15 @@ larger than any replica's capacity still runs somewhere); otherwise it waits in 
 group finishes. Replicas therefore pull work as they free up: a replica stuck on long samples keeps
 its batch full while the others drain the queue. The pool hands groups out longest-first (by
 ``max_tokens``), so the longest samples start early instead of becoming one replica's lonely tail.
+
+A request sent on its own (``RolloutPool.submit``: an environment conversation's turn) goes where
+``Affinity`` says: the replica its routing key went to before, so that replica's prefix cache serves the
+earlier turns, else the active replica with the fewest such requests in flight.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 
@@ -73,3 +77,35 @@ class Dispatcher:
     @property
     def finished(self) -> bool:
         return len(self.done) == len(self.sizes)
+
+
+class Affinity:
+    """Sticky routing of single requests by key: a key keeps its replica while that replica takes work.
+
+    A new key (or one whose replica is inactive) goes to the active replica with the fewest requests in
+    flight (ties: the lowest index); a request without a key too, and it is not remembered. The
+    ``max_keys`` most recently used keys are remembered (an older conversation's next turn is merely
+    routed afresh)."""
+
+    def __init__(self, max_keys: int = 1 << 16) -> None:
+        self.max_keys = max_keys
+        self.keys: OrderedDict[str, int] = OrderedDict()
+        self.load: dict[int, int] = {}  # replica -> requests in flight
+
+    def pick(self, key: str | None, active: list[int]) -> int:
+        if not active:
+            raise ValueError("no replica takes work")
+        i = self.keys.get(key) if key is not None else None
+        if i not in active:
+            i = min(active, key=lambda r: (self.load.get(r, 0), r))
+        if key is not None:
+            self.keys[key] = i
+            self.keys.move_to_end(key)
+            while len(self.keys) > self.max_keys:
+                self.keys.popitem(last=False)
+        self.load[i] = self.load.get(i, 0) + 1
+        return i
+
+    def done(self, replica: int) -> None:
+        """A request picked for ``replica`` came back (or failed)."""
+        self.load[replica] = max(self.load.get(replica, 0) - 1, 0)

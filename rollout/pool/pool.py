@@ -8,6 +8,11 @@ Work is handed out group by group as replicas free up (``dispatch.Dispatcher``).
 seed gets one from the pool's own generator before it is dispatched, so its tokens do not depend on
 which replica runs it, and a group resubmitted after a replica died comes back with the same tokens.
 
+Single requests: ``submit(prompt, params, routing_key)`` (``rollout.RequestBackend``) sends one request to one
+replica at once and returns a future; requests with the same ``routing_key`` (an environment conversation's
+turns) go to the same replica while it takes work (``dispatch.Affinity``), whose prefix cache then serves the
+earlier turns. A replica that dies fails the requests it held (they are not resent).
+
 Faults: a replica whose actor dies mid-round (``ray.kill``, a crashed process, a lost node) has its
 unfinished groups put back at the head of the queue for the others; a replacement actor starts in the
 background, copies a survivor's weights and version (``Replica.export_state``) and only then takes work.
@@ -31,6 +36,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -41,7 +47,7 @@ from rollout.outputs import RequestOutput
 from rollout.pool import colocate, ray_setup
 from rollout.pool import sleep as pool_sleep
 from rollout.pool.colocate import TrainerPlace
-from rollout.pool.dispatch import Dispatcher, Slot
+from rollout.pool.dispatch import Affinity, Dispatcher, Slot
 from rollout.pool.replica import Replica
 from rollout.pool.round_queue import RoundQueue
 from rollout.pool.transfer import PoolTransfer
@@ -102,6 +108,9 @@ class RolloutPool:
         self.failures: list[dict[str, Any]] = []  # every replica death seen, all rounds
         self.members: list[_Member] = []
         self._rounds = RoundQueue(self)  # the step surface: add_request / step / abort
+        self._affinity = Affinity()  # submit(): which replica takes a request sent on its own
+        self._route_lock = threading.Lock()  # submit() vs its requests' completion callbacks (Ray's threads)
+        self._submitted = 0
         self.transfer = PoolTransfer(self, transfer_timeout_s)
         try:
             for i in range(replicas):
@@ -214,6 +223,33 @@ class RolloutPool:
 
     def has_unfinished_requests(self) -> bool:
         return self._rounds.has_unfinished_requests()
+
+    # The request surface (RequestBackend): one request answered on its own, sent at once (the environment
+    # loop's turns). A request with a routing_key goes to the replica that key went to before (its prefix cache
+    # holds the key's earlier requests: a conversation's earlier turns), else to the least busy one.
+    def submit(self, prompt: Any, sampling_params: SamplingParams | None = None,
+               routing_key: str | None = None) -> Future[RequestOutput]:
+        """One prompt's request on one replica, sent now; the future holds its ``RequestOutput`` or the error (a
+        bad prompt's ValueError, a dead replica's ``RayActorError``: the request is not resent)."""
+        params = self._seeded(sampling_params or SamplingParams())
+        if self.sleeping_replicas:
+            raise RuntimeError(f"replicas {self.sleeping_replicas} are asleep (sleep() was called); call wake_up() "
+                               "before submit()")
+        self._advance_members()
+        if not any(self._takes_work(m) for m in self.members):
+            self.wait_ready()
+        with self._lock, self._route_lock:
+            active = [i for i, m in enumerate(self.members) if self._takes_work(m)]
+            i = self._affinity.pick(routing_key, active)
+            self._submitted += 1
+            ref = self.members[i].actor.run.remote(f"s{self._submitted}", prompt, params)
+        fut = ref.future()
+        fut.add_done_callback(lambda _, i=i: self._request_done(i))
+        return fut
+
+    def _request_done(self, replica: int) -> None:
+        with self._route_lock:
+            self._affinity.done(replica)
 
     def generate_iter(self, prompts: Any, sampling_params: Any = None) -> Iterator[tuple[int, RequestOutput]]:
         """(input index, RequestOutput) as groups finish: each group exactly once, whatever replicas die."""
