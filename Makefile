@@ -20,7 +20,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check rollout trainer_hooks scripts tests
-	$(BIN)/python -m pytest -x -p no:cacheprovider tests
+	$(BIN)/python -m pytest -x -p no:cacheprovider -n 2 --dist loadfile tests  # two workers, a file each
 
 clean:
 	rm -rf $(VENV)
