@@ -195,3 +195,17 @@ def test_env_methods_that_fail_give_env_error_rows(default_model, tokenizer, fac
         assert ep.finish_reason == "env_error" and ep.error == error and ep.reward is None and ep.num_turns >= 1
         assert len(ep.completion_ids) == len(ep.env_mask) > 0  # the tokens made so far stay in the row
     assert engine.scheduler.parked == {} and engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+def test_last_conversation_ending_inside_poll_is_not_a_stall(default_model, tokenizer, monkeypatch) -> None:
+    """The final calls' results can be picked up by the loop's own poll (not inside ``wait``): the last
+    conversation then ends mid-iteration, with the engine idle and nothing pending. That is the end of the run,
+    not a stall (H200, W4-geo: 'the environment loop stalled: 0 conversations ...')."""
+    engine = make_engine(default_model)
+    loop = EnvLoop(engine, EnvSpec(env_fixtures.ThreeTurns), tokenizer, EnvLimits(max_turns=4, max_turn_tokens=6))
+    monkeypatch.setattr(loop.calls, "wait", lambda max_s=0.05: time.sleep(0.01))  # results reach poll() only
+    try:
+        eps = loop.run(ROWS[:2], [r["prompt"] for r in ROWS[:2]], params(2))
+    finally:
+        loop.close()
+    assert all(ep.error is None and ep.num_turns == 3 for ep in eps)

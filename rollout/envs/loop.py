@@ -177,8 +177,10 @@ class EnvLoop:
         self._to_resume = [x for x in self._to_resume if x[0].rid in self._rid_map]
         try:
             while self._active and not (until is not None and until()):
-                self.calls.poll()
+                self.calls.poll()  # may end the last conversations (their final calls' results)
                 self._resume_ready()
+                if not self._active:
+                    break
                 if self.turns.busy():
                     for out in self.turns.step():
                         self._turn_ended(out)
