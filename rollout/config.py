@@ -29,6 +29,7 @@ class EngineConfig:
     swap_space_gib: float = 0.0  # pinned host pool for preempted sequences' KV; 0 = off (recompute only)
     tp_all_reduce: str = "nccl"  # "symm_mem": opt-in one-shot all-reduce for decode-sized tensors (CUDA, TP > 1)
     turn_prefill_hold_steps: int = 0  # a conversation's environment reply waits <= this many steps to batch (turns.py)
+    turn_rows_max_tokens: int = 0  # an environment reply of <= this many tokens runs as decode rows (graphs); 0 = off
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch_size"):
@@ -36,6 +37,9 @@ class EngineConfig:
         hold = self.turn_prefill_hold_steps
         if isinstance(hold, bool) or not isinstance(hold, int) or not 0 <= hold <= 1024:
             raise ValueError(f"turn_prefill_hold_steps must be an int in [0, 1024], got {hold!r}")
+        rows = self.turn_rows_max_tokens
+        if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= 4096:
+            raise ValueError(f"turn_rows_max_tokens must be an int in [0, 4096] (0 = off), got {rows!r}")
         for name in ("max_model_len", "num_blocks"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))

@@ -76,7 +76,8 @@ class Engine:
         if tokenizer is not None:
             detokenize = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # type: ignore[attr-defined]
         self.scheduler = Scheduler(
-            SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, config.turn_prefill_hold_steps),
+            SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, config.turn_prefill_hold_steps,
+                            config.turn_rows_max_tokens),
             self.block_manager, detokenize
         )
         self.runner: Runner = self._make_runner()

@@ -29,6 +29,7 @@ from rollout.engine.plan import BatchPlan, SampleResult, SeqPlan
 from rollout.engine.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus
 from rollout.engine.stop import check_stop
 
+TURN_ROWS_CONTEXT = 1 << 18  # per step, a sequence's decode rows x its context stay under this many tokens
 SWAP_MIN_BLOCKS = 2  # computed context (in blocks) from which a preempted sequence is swapped, not recomputed
 WATERMARK_STEPS = 2  # admission keeps a block for each running sequence crossing a block within this many tokens
 
@@ -38,6 +39,7 @@ class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     turn_prefill_hold_steps: int = 0  # a resumed conversation's given tokens wait up to this many steps (turns.py)
+    turn_rows_max_tokens: int = 0  # given tokens up to this many are computed as one-token decode rows (0 = off)
 
 
 class Scheduler:
@@ -67,6 +69,8 @@ class Scheduler:
         self._swap_out: list[tuple[int, int]] = []  # this step's (gpu, host) copies
         self._swapped_now: list[Sequence] = []
         self._step_id = 0
+        self._rows: dict[int, int] = {}  # this step's sequences computed as decode rows: seq_id -> rows
+        self._extra_rows = 0  # rows beyond one per chosen sequence (they count against max_num_seqs)
         self.parked: dict[str, Request] = {}  # multi-turn requests between turns, KV kept (engine/turns.py)
         self.num_prefill_tokens = 0  # tokens computed that were not the newest sample (prompt, env, recompute)
 
@@ -123,8 +127,10 @@ class Scheduler:
         self._swap_out, self._swapped_now = [], []
         preempted = False
         held: list[Sequence] = []
-        for seq in list(self.running):
-            if len(chosen) >= self.limits.max_num_seqs or budget == 0:
+        self._rows, self._extra_rows = {}, 0
+        running = list(self.running)
+        for i, seq in enumerate(running):
+            if len(chosen) + self._extra_rows >= self.limits.max_num_seqs or budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -134,6 +140,10 @@ class Scheduler:
             if n > 1 and seq.hold_until > self._step_id:
                 held.append(seq)  # a conversation's given tokens: batched with others' (below)
                 continue
+            rows = n > 1 and self._as_rows(seq)
+            if rows:  # one row each, as many as fit beside one for every running sequence after it
+                room = self.limits.max_num_seqs - len(chosen) - self._extra_rows - (len(running) - i - 1)
+                n = max(1, min(n, room, TURN_ROWS_CONTEXT // (seq.num_computed_tokens + n)))
             if n == 1 and self._fits_in_last_block(seq):
                 chosen.append((seq, 1))  # the common decode step: no block-manager work at all
                 budget -= 1
@@ -148,6 +158,9 @@ class Scheduler:
                 copies += self.block_manager.append_slots(seq, n)
                 chosen.append((seq, n))
                 budget -= n
+                if rows and n > 1:
+                    self._rows[seq.seq_id] = n
+                    self._extra_rows += n - 1
         if not preempted:
             budget = self._admit(chosen, copies, swap_in, budget)
         if held and (not chosen or any(n > 1 for _, n in chosen)):
@@ -167,7 +180,7 @@ class Scheduler:
         """Held given tokens join a step that computes more than one token for some sequence anyway (so runs
         eagerly, not from a decode graph), or one that would otherwise have nothing to run."""
         for seq in held:
-            n = self._num_new_tokens(seq, budget) if len(chosen) < self.limits.max_num_seqs else 0
+            n = self._num_new_tokens(seq, budget) if len(chosen) + self._extra_rows < self.limits.max_num_seqs else 0
             if n and self.block_manager.can_append(seq, n):
                 copies += self.block_manager.append_slots(seq, n)
                 chosen.append((seq, n))
@@ -197,7 +210,7 @@ class Scheduler:
         bm = self.block_manager
         reserve = self._watermark(chosen)  # kept up to date as sequences are admitted
         for seq in list(self.waiting):
-            if len(chosen) >= self.limits.max_num_seqs or budget == 0:
+            if len(chosen) + self._extra_rows >= self.limits.max_num_seqs or budget == 0:
                 break
             if seq.num_inflight:
                 continue  # preempted with a sample still in flight; re-admit once it lands
@@ -243,6 +256,14 @@ class Scheduler:
         return (bool(table) and (len(table) - 1) * bs < pos < len(table) * bs
                 and self.block_manager.blocks[table[-1]].ref_count == 1)
 
+    def _as_rows(self, seq: Sequence) -> bool:
+        """A resumed conversation's given tokens (past its prompt, at most ``turn_rows_max_tokens`` of them) go
+        as one-token rows, each attending to the KV the rows before it wrote in the same layer: the step stays a
+        decode step (a graph replay on the GPU) instead of an eager one for a few tokens of prefill."""
+        pending = seq.num_tokens - seq.num_computed_tokens
+        return (pending <= self.limits.turn_rows_max_tokens and seq.num_computed_tokens >= seq.num_prompt_tokens
+                and not seq.score_only)
+
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         target = seq.num_tokens
         if seq.num_output_tokens >= seq.params.max_tokens:
@@ -267,9 +288,13 @@ class Scheduler:
             self.num_prefill_tokens += n - (start == seq.decode_pos)
             num_prompt += max(0, min(start + n, seq.num_prompt_tokens) - start)
             p = seq.params
+            head = n - 1 if seq.seq_id in self._rows else 0  # decode rows: all but the last token, no sample
+            plans += [SeqPlan(seq.seq_id, [tok], start + j, seq.block_table, False) for j, tok in
+                      enumerate(inputs[:head])]
+            inputs, first = inputs[head:], start + head
             # The table is shared, not copied: runners read it before the next schedule() changes it.
             if sample:
-                plan = SeqPlan(seq.seq_id, inputs, start, seq.block_table, True, carry, p.temperature,
+                plan = SeqPlan(seq.seq_id, inputs, first, seq.block_table, True, carry, p.temperature,
                                p.effective_top_k, p.top_p, p.min_p, seq.sample_seed, seq.num_output_tokens,
                                p.logprobs_mode, seq.stop_ids if seq.num_output_tokens < p.min_tokens else ())
                 if p.logprobs is not None or p.has_penalties:
@@ -278,7 +303,7 @@ class Scheduler:
                 seq.token_ids.append(PLACEHOLDER)
                 seq.num_inflight += 1
             else:
-                plan = SeqPlan(seq.seq_id, inputs, start, seq.block_table, False, carry)
+                plan = SeqPlan(seq.seq_id, inputs, first, seq.block_table, False, carry)
             if seq.prompt_lp_start >= 0 and start < seq.num_prompt_tokens - 1:
                 has_prompt_lp = add_prompt_targets(plan, seq, start, n) or has_prompt_lp
             seq.num_computed_tokens = start + n

@@ -80,3 +80,38 @@ def test_async_env_loop_equals_sync_and_hf_without_reprefill():
             want = lp[torch.arange(len(ep.completion_ids)), torch.tensor(ep.completion_ids)]
             model = torch.tensor(ep.env_mask, dtype=torch.bool)
             assert torch.allclose(torch.tensor(ep.logprobs)[model], want[model], atol=1e-3)
+
+
+def test_replies_as_decode_rows_replay_graphs_with_the_same_tokens():
+    """engine.turn_rows_max_tokens: replies run as one-token rows of decode steps (graph replays through the
+    async path, carry-over from a reply's last row), with the prefill path's tokens and HF's logprobs."""
+    hf = _hf()
+    runs = {}
+    for rows in (0, 32):
+        eng = Engine.from_pretrained(hf, dtype="float32", max_model_len=1024, num_blocks=2048, max_num_seqs=32,
+                                     async_mode=True, turn_rows_max_tokens=rows)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(10, 4000, (k,), generator=g).tolist()
+                   for k in torch.randint(8, 120, (48,), generator=g).tolist()]
+        loop = EnvLoop(eng, EnvSpec(Replies), None, EnvLimits(max_turns=3, max_turn_tokens=40), renderer=Ids())
+        eng.runner.clock.record_steps = True
+        n0 = len(eng.runner.clock.records)
+        try:
+            eps = loop.run([{"seed": i} for i in range(48)], prompts,
+                           [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 48)
+        finally:
+            loop.close()
+        recs = eng.runner.clock.records[n0:]
+        runs[rows] = eps, sum(not r.decode for r in recs), sum(bool(r.graph_b) for r in recs)
+    (off, off_mixed, _), (on, on_mixed, on_graphs) = runs[0], runs[32]
+    assert [ep.completion_ids for ep in on] == [ep.completion_ids for ep in off]
+    assert [ep.env_mask for ep in on] == [ep.env_mask for ep in off]
+    assert on_mixed < off_mixed and on_graphs > 0, (on_mixed, off_mixed, on_graphs)
+    with torch.no_grad():
+        for ep in on[:8]:
+            assert ep.num_turns == 3 and ep.error is None
+            ids = torch.tensor([ep.prompt_ids + ep.completion_ids], device="cuda")
+            lp = torch.log_softmax(hf(ids).logits[0, len(ep.prompt_ids) - 1 : -1].float(), -1).cpu()
+            want = lp[torch.arange(len(ep.completion_ids)), torch.tensor(ep.completion_ids)]
+            model = torch.tensor(ep.env_mask, dtype=torch.bool)
+            assert torch.allclose(torch.tensor(ep.logprobs)[model], want[model], atol=1e-3)
