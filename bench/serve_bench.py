@@ -270,19 +270,25 @@ def _stop(server: subprocess.Popen, records: list[dict], out: str | None) -> Non
             f.writelines(json.dumps(r) + "\n" for r in records)
 
 
-def _steps(url: str) -> float:
+def _steps(url: str) -> tuple[float, float | None]:
+    """The server's engine steps and GPU compute seconds so far (None on the CPU) from ``/metrics``."""
     import urllib.request
 
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("rollout_engine_steps_total "):
-                return float(line.split()[1])
-    raise RuntimeError("no rollout_engine_steps_total in /metrics")
+        values = dict(line.split()[:2] for line in r.read().decode().splitlines()
+                      if line.startswith(("rollout_engine_steps_total ", "rollout_gpu_compute_seconds_total ")))
+    if "rollout_engine_steps_total" not in values:
+        raise RuntimeError("no rollout_engine_steps_total in /metrics")
+    gpu = values.get("rollout_gpu_compute_seconds_total")
+    return float(values["rollout_engine_steps_total"]), None if gpu is None else float(gpu)
 
 
 def stream_cost(args: argparse.Namespace) -> None:
     """What streaming costs the engine: the same 256 sequences plain and streamed (SSE deltas), wall per engine
-    step in each (sampled as RL does: temperature 1, seeded). Bar: streamed < 1.02x plain. Each of
+    step in each (sampled as RL does: temperature 1, seeded). Bar: streamed < 1.02x plain. On a GPU also each
+    run's busy fraction (GPU compute / wall, from ``/metrics``): ``stream_cost_bound`` = 1 / the streamed run's
+    busy - 1 bounds the cost from that run alone (``--modes stream``), ``cost_vs_busy`` compares the busy
+    fractions of both (machine speed cancels out when the halves ran on different machines). Each of
     ``--variants`` (``stream_interval_s[/switch_interval_s]``) streams through a server of its own; the plain run
     is measured on the first."""
     from rollout import SamplingParams
@@ -307,20 +313,33 @@ def stream_cost(args: argparse.Namespace) -> None:
             runs = {}
             modes = [m for m in ("plain", "stream") if m in args.modes and (m == "stream" or plain is None)]
             for mode in modes:
-                s0, t0 = _steps(url), time.perf_counter()
+                (s0, g0), t0 = _steps(url), time.perf_counter()
                 tokens = (sum(len(c.token_ids) for o in client.generate(prompts, p) for c in o.outputs)
                           if mode == "plain" else _stream_all(url, client.model, prompts, p))
-                wall, steps = time.perf_counter() - t0, _steps(url) - s0
+                wall, (s1, g1) = time.perf_counter() - t0, _steps(url)
+                steps = s1 - s0
                 runs[mode] = dict(wall_s=round(wall, 3), tokens=tokens, steps=int(steps),
                                   step_ms=round(wall / max(steps, 1) * 1e3, 4), tok_s=round(tokens / wall, 1))
+                if g0 is not None and g1 is not None:  # the same steps' GPU work is the same in both modes, so
+                    # wall / compute - 1 is what the host (streaming included) added, from one run alone
+                    runs[mode].update(gpu_busy=round((g1 - g0) / wall, 4),
+                                      compute_step_ms=round((g1 - g0) / max(steps, 1) * 1e3, 4))
             plain = runs.get("plain", plain)
             if plain is not None:
                 runs["plain"] = plain
             cost = runs["stream"]["step_ms"] / plain["step_ms"] - 1 if "stream" in runs and plain else None
+            # The streamed run alone bounds streaming's cost: its steps' wall over their GPU work - 1 (every host
+            # stall, streaming's included). Both runs: the same ratio relative to plain's, which machines of
+            # different speed (runs in different calls) do not skew as the plain step ratio does.
+            busy = {m: r.get("gpu_busy") for m, r in runs.items()}
+            host_cost = round(1 / busy["stream"] - 1, 4) if busy.get("stream") else None
+            busy_cost = (round(busy["plain"] / busy["stream"] - 1, 4)
+                         if busy.get("stream") and busy.get("plain") else None)
             rec = dict(workload="stream_cost", preset=w["preset"], sequences=w["prompts"], new_tokens=w["new"],
                        sampling="t1", stream_interval_s=args.stream_interval, switch_interval_s=args.switch_interval,
                        **{f"{m}_{k}": v for m, r in runs.items() for k, v in r.items()},
-                       cost=None if cost is None else round(cost, 4), bar=0.02,
+                       cost=None if cost is None else round(cost, 4), stream_cost_bound=host_cost,
+                       cost_vs_busy=busy_cost, bar=0.02,
                        meets_bar=None if cost is None else cost < 0.02, commit=os.environ.get("COMMIT"))
             records.append(rec)
             print(json.dumps(rec), flush=True)
