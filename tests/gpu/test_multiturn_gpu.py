@@ -72,14 +72,7 @@ def test_async_env_loop_equals_sync_and_hf_without_reprefill():
     assert [ep.completion_ids for ep in a] == [ep.completion_ids for ep in s]
     given = sum(len(ep.prompt_ids) + ep.env_mask.count(0) for ep in a)
     assert sa.num_prefill_tokens == given
-    with torch.no_grad():
-        for ep in a[:8]:
-            assert ep.num_turns == 3 and ep.error is None
-            ids = torch.tensor([ep.prompt_ids + ep.completion_ids], device="cuda")
-            lp = torch.log_softmax(hf(ids).logits[0, len(ep.prompt_ids) - 1 : -1].float(), -1).cpu()
-            want = lp[torch.arange(len(ep.completion_ids)), torch.tensor(ep.completion_ids)]
-            model = torch.tensor(ep.env_mask, dtype=torch.bool)
-            assert torch.allclose(torch.tensor(ep.logprobs)[model], want[model], atol=1e-3)
+    _assert_hf_logprobs(hf, a[:8])
 
 
 def test_replies_as_decode_rows_replay_graphs_with_the_same_tokens():
@@ -107,8 +100,14 @@ def test_replies_as_decode_rows_replay_graphs_with_the_same_tokens():
     assert [ep.completion_ids for ep in on] == [ep.completion_ids for ep in off]
     assert [ep.env_mask for ep in on] == [ep.env_mask for ep in off]
     assert on_mixed < off_mixed and on_graphs > 0, (on_mixed, off_mixed, on_graphs)
+    _assert_hf_logprobs(hf, on[:8])
+
+
+def _assert_hf_logprobs(hf, episodes):
+    """Three turns each, and every model token's logprob is HF float32's teacher-forced one over the whole
+    conversation (environment tokens included as context)."""
     with torch.no_grad():
-        for ep in on[:8]:
+        for ep in episodes:
             assert ep.num_turns == 3 and ep.error is None
             ids = torch.tensor([ep.prompt_ids + ep.completion_ids], device="cuda")
             lp = torch.log_softmax(hf(ids).logits[0, len(ep.prompt_ids) - 1 : -1].float(), -1).cpu()
