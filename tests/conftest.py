@@ -31,3 +31,13 @@ def default_model(tmp_path_factory) -> Path:
     from rollout.assets import materialize_default_model
 
     return materialize_default_model(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    """A model cache dir holding the embedded default checkpoint: a job's ``model.cache_dir``."""
+    from rollout.assets import materialize_default_model
+
+    path = tmp_path_factory.mktemp("rollout-cache")
+    materialize_default_model(path)
+    return path

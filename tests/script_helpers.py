@@ -35,3 +35,12 @@ def message_regex(message: str) -> str:
     """A refusal message as a ``pytest.raises(match=...)`` pattern: ``[``, ``]`` and ``+`` literal, ``.*`` still
     a wildcard (some expected messages skip a part that way)."""
     return message.replace("[", r"\[").replace("+", r"\+").replace("]", r"\]")
+
+
+def run_job(out: Path, cache: Path, *overrides: str) -> list[dict]:
+    """The main job (``config``) writing into ``out``, its model cached in ``cache``: its trajectory rows."""
+    from rollout.job import main as script
+    from rollout.job.trajectory_writer import read_trajectories
+
+    script.run(compose("config", f"output_dir={out}", f"model.cache_dir={cache}", *overrides))
+    return read_trajectories(out).to_pylist()

@@ -9,26 +9,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollout.assets import materialize_default_model
-from rollout.job import main as script
-from rollout.job.trajectory_writer import read_trajectories
+from tests import script_helpers
 from tests.engine_helpers import hf_logprobs
-from tests.script_helpers import compose
 
 ENV = ["rollout.env=tests.env_fixtures:ThreeTurns", "rollout.max_turns=4", "rollout.max_turn_tokens=5",
        "sampling.max_tokens=5", "logger.progress=false", "logger.wandb.mode=disabled", "rollout.rounds=1",
        "data.num_prompts=3", "sampling.n=2"]
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("rollout-cache")
-    materialize_default_model(path)
-    return path
-
-
 def run_job(out: Path, cache: Path, *overrides: str) -> list[dict]:
-    script.run(compose("config", f"output_dir={out}", f"model.cache_dir={cache}", *ENV, *overrides))
-    return read_trajectories(out).to_pylist()
+    return script_helpers.run_job(out, cache, *ENV, *overrides)
 
 
 def test_job_writes_multi_turn_rows_matching_hf(cache_dir: Path, tmp_path: Path) -> None:

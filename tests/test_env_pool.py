@@ -11,12 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from rollout.assets import materialize_default_model
-from rollout.job import main as script
 from rollout.job import setup
-from rollout.job.trajectory_writer import read_trajectories
 from rollout.pool.dispatch import Affinity
-from tests.script_helpers import compose
+from tests import script_helpers
 
 ENV = ["rollout.env=tests.env_fixtures:ThreeTurns", "rollout.max_turns=4", "rollout.max_turn_tokens=5",
        "sampling.max_tokens=5", "sampling.temperature=0", "logger.progress=false", "logger.wandb.mode=disabled",
@@ -38,16 +35,8 @@ def test_affinity_keeps_a_key_on_its_replica_and_balances_new_ones() -> None:
         a.pick("c3", [])
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("rollout-cache")
-    materialize_default_model(path)
-    return path
-
-
 def run_job(out: Path, cache: Path, *overrides: str) -> list[dict]:
-    script.run(compose("config", f"output_dir={out}", f"model.cache_dir={cache}", *ENV, *overrides))
-    return read_trajectories(out).to_pylist()
+    return script_helpers.run_job(out, cache, *ENV, *overrides)
 
 
 @pytest.fixture(scope="module")

@@ -173,33 +173,11 @@ def test_trl_environment_factory_runs_over_the_server(env, tmp_path, monkeypatch
 def test_train_grpo_script_with_train_env_over_the_server(env, tmp_path, monkeypatch) -> None:
     """rollout-train-grpo rollout.mode=server train.env=...: TRL's environment_factory, every turn on the server
     (last here: its pushes move the server's policy version past the earlier tests')."""
-    import json
+    from tests.test_trl_tools import train_grpo_adding
 
-    from transformers import AutoTokenizer
-
-    from rollout.assets import assets_dir
-    from rollout.cli import train_grpo
-    from tests.script_helpers import compose
-    from tests.test_trl_tools import RESPONSE_TEMPLATE, TOOL_TEMPLATE
-
-    monkeypatch.setattr(EnvLoop, "parse_calls",
-                        lambda self, row, turn, *_: [{"name": "add", "arguments": {"a": 2, "b": 3}}] if turn == 1
-                        else [])
-    tok = AutoTokenizer.from_pretrained(str(assets_dir()))
-    tok.chat_template, tok.response_template = TOOL_TEMPLATE, RESPONSE_TEMPLATE
-    tok.save_pretrained(tmp_path / "tok")
-    out = train_grpo.run(compose(
-        "train_grpo", f"output_dir={tmp_path / 'out'}", f"model.cache_dir={env.model_dir.parent}",
-        f"model.tokenizer={tmp_path / 'tok'}", "logger.wandb.mode=disabled", "train.steps=2", "sampling.n=2",
-        "sampling.max_tokens=40", "data.num_prompts=2", "train.env=tests.test_trl_tools:AdderEnv", "train.reward=env",
-        "train.max_turn_tokens=6", "+train.grpo.max_tool_calling_iterations=1", "rollout.mode=server",
-        f"rollout.url={env.server.url}",
-    ))
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines] == [1, 2]
-    for x in lines:
-        assert x["tools/call_frequency"] == 1.0 and x["tools/failure_frequency"] == 0.0, x
-        assert x["rollout/logprob_gap_max"] <= 1e-4 and x["reward"] == 1.0
+    lines = train_grpo_adding(tmp_path, monkeypatch, env.model_dir.parent, "train.env=tests.test_trl_tools:AdderEnv",
+                              "train.reward=env", "rollout.mode=server", f"rollout.url={env.server.url}")
+    assert all(x["reward"] == 1.0 for x in lines)
 
 
 def test_the_loop_takes_an_engine_a_client_or_a_pool_and_refuses_the_rest(env, tokenizer) -> None:

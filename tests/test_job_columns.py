@@ -7,20 +7,10 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-
-from rollout.assets import materialize_default_model
 from rollout.job import main as script
 from rollout.job.trajectory import group_trajectories
 from rollout.job.trajectory_writer import read_trajectories
 from tests.script_helpers import compose
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("columns-cache")
-    materialize_default_model(path)
-    return path
 
 
 def _run(tmp_path: Path, cache_dir: Path, *overrides: str) -> Path:

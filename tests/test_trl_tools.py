@@ -145,6 +145,14 @@ def add(a: int, b: int) -> int:
 def test_train_grpo_script_with_train_env(tmp_path, monkeypatch, tool_keys) -> None:
     """rollout-train-grpo train.env=... / train.tools=[...]: TRL's environment_factory and tools paths end to end,
     every turn on the engine."""
+    for x in train_grpo_adding(tmp_path, monkeypatch, tmp_path / "cache", *tool_keys):
+        if "train.reward=env" in tool_keys:
+            assert x["reward"] == 1.0  # AdderEnv.get_reward: its add tool was called with 2 + 3
+
+
+def train_grpo_adding(tmp_path, monkeypatch, cache, *overrides: str) -> list[dict]:
+    """Two steps of rollout-train-grpo with the tool template, the policy scripted to call add(2, 3) once
+    per conversation: its metrics lines, each checked for one call per turn, no failure and exact logprobs."""
     import json
 
     from rollout.cli import train_grpo
@@ -157,18 +165,17 @@ def test_train_grpo_script_with_train_env(tmp_path, monkeypatch, tool_keys) -> N
     tok.chat_template, tok.response_template = TOOL_TEMPLATE, RESPONSE_TEMPLATE
     tok.save_pretrained(tmp_path / "tok")
     out = train_grpo.run(compose(
-        "train_grpo", f"output_dir={tmp_path / 'out'}", f"model.cache_dir={tmp_path / 'cache'}",
+        "train_grpo", f"output_dir={tmp_path / 'out'}", f"model.cache_dir={cache}",
         f"model.tokenizer={tmp_path / 'tok'}", "logger.wandb.mode=disabled", "train.steps=2", "sampling.n=2",
-        "sampling.max_tokens=40", "data.num_prompts=2", *tool_keys,
-        "train.max_turn_tokens=6", "+train.grpo.max_tool_calling_iterations=1",
+        "sampling.max_tokens=40", "data.num_prompts=2", "train.max_turn_tokens=6",
+        "+train.grpo.max_tool_calling_iterations=1", *overrides,
     ))
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2]
     for x in lines:
         assert x["tools/call_frequency"] == 1.0 and x["tools/failure_frequency"] == 0.0, x
         assert x["rollout/logprob_gap_max"] <= 1e-4
-        if "train.reward=env" in tool_keys:
-            assert x["reward"] == 1.0  # AdderEnv.get_reward: its add tool was called with 2 + 3
+    return lines
 
 
 @pytest.mark.parametrize("override, message", [
