@@ -112,3 +112,24 @@ def test_partial_mode_with_an_environment_over_a_pool_is_refused_by_name(cache_d
     with pytest.raises(ValueError, match=r"rollout.mode='partial'.*pool.replicas=2.*rollout.env='tests.env_fixtures:"
                                          r"ThreeTurns'"):
         run_job(tmp_path / "p", cache_dir, *POOL, "rollout.mode=partial")
+
+
+def test_a_turn_whose_replica_died_is_sent_again_with_the_same_tokens(pool_job) -> None:
+    """A replica that died unnoticed (between rounds): a submitted request to it is resent to the other one
+    after the replacement starts, with the tokens the live replica gives (the seed is fixed at submit)."""
+    from rollout import SamplingParams
+
+    _, pool, _, _ = pool_job
+    pool.wait_ready()
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9]
+    want = pool.submit(prompt, params, "alive").result(timeout=120).outputs[0].token_ids
+    key, victim = "doomed", pool._affinity.pick("doomed", [0])  # the key's replica: 0
+    pool._request_done(victim)
+    actor, failures = pool.members[victim].actor, len(pool.failures)
+    pool.ray.kill(actor, no_restart=True)
+    out = pool.submit(prompt, params, key).result(timeout=180)
+    assert list(out.outputs[0].token_ids) == list(want)
+    assert [f["replica"] for f in pool.failures[failures:]] == [victim]
+    pool.wait_ready()
+    assert pool.members[victim].actor is not actor

@@ -11,7 +11,8 @@ which replica runs it, and a group resubmitted after a replica died comes back w
 Single requests: ``submit(prompt, params, routing_key)`` (``rollout.RequestBackend``) sends one request to one
 replica at once and returns a future; requests with the same ``routing_key`` (an environment conversation's
 turns) go to the same replica while it takes work (``dispatch.Affinity``), whose prefix cache then serves the
-earlier turns. A replica that dies fails the requests it held (they are not resent).
+earlier turns. A replica that dies is replaced and the requests it held are sent again to a live one (their seed
+is fixed when submitted, so the tokens are the same); only a bad request fails.
 
 Faults: a replica whose actor dies mid-round (``ray.kill``, a crashed process, a lost node) has its
 unfinished groups put back at the head of the queue for the others; a replacement actor starts in the
@@ -230,22 +231,51 @@ class RolloutPool:
     def submit(self, prompt: Any, sampling_params: SamplingParams | None = None,
                routing_key: str | None = None) -> Future[RequestOutput]:
         """One prompt's request on one replica, sent now; the future holds its ``RequestOutput`` or the error (a
-        bad prompt's ValueError, a dead replica's ``RayActorError``: the request is not resent)."""
+        bad prompt's ValueError). A replica that dies with the request is replaced and the request sent again
+        to a live one (at most once per replica; the seed is fixed here, so the tokens are the same)."""
         params = self._seeded(sampling_params or SamplingParams())
         if self.sleeping_replicas:
             raise RuntimeError(f"replicas {self.sleeping_replicas} are asleep (sleep() was called); call wake_up() "
                                "before submit()")
+        result: Future[RequestOutput] = Future()
+        self._send(prompt, params, routing_key, result, len(self.members))
+        return result
+
+    def _send(self, prompt: Any, params: SamplingParams, key: str | None, result: Future, resends: int) -> None:
         self._advance_members()
         if not any(self._takes_work(m) for m in self.members):
             self.wait_ready()
         with self._lock, self._route_lock:
             active = [i for i, m in enumerate(self.members) if self._takes_work(m)]
-            i = self._affinity.pick(routing_key, active)
+            i = self._affinity.pick(key, active)
             self._submitted += 1
-            ref = self.members[i].actor.run.remote(f"s{self._submitted}", prompt, params)
-        fut = ref.future()
-        fut.add_done_callback(lambda _, i=i: self._request_done(i))
-        return fut
+            m = self.members[i]
+            ref, generation = m.actor.run.remote(f"s{self._submitted}", prompt, params), m.generation
+        ref.future().add_done_callback(
+            lambda fut: self._sent(fut, i, generation, (prompt, params, key, result), resends))
+
+    def _sent(self, fut: Future, replica: int, generation: int, request: tuple, resends: int) -> None:
+        """A submitted request's answer, on Ray's own thread (no Ray call may run here): hand it over, or resend
+        it from a thread of its own if its replica died."""
+        self._request_done(replica)
+        result: Future = request[3]
+        error = fut.exception()
+        if isinstance(error, self.ray.exceptions.RayActorError) and resends > 0:
+            threading.Thread(target=self._resend, args=(replica, generation, request, resends - 1), daemon=True,
+                             name="rollout-pool-resend").start()
+        elif error is not None:
+            result.set_exception(error)
+        else:
+            result.set_result(fut.result())
+
+    def _resend(self, replica: int, generation: int, request: tuple, resends: int) -> None:
+        try:
+            with self._lock:
+                if self.members[replica].generation == generation:  # not replaced yet (by a round or a request)
+                    self._replace(replica, "actor died (a submitted request)", [])
+            self._send(*request, resends)
+        except BaseException as e:  # noqa: BLE001 - the caller's future carries it
+            request[3].set_exception(e)
 
     def _request_done(self, replica: int) -> None:
         with self._route_lock:
