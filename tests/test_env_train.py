@@ -265,11 +265,12 @@ def test_train_ppo_with_env(tmp_path, tok, scripted, keys) -> None:
 
 @pytest.mark.parametrize("script, overrides, message", [
     ("train_grpo", ("rollout.mode=partial",), "rollout.mode=partial with pool.replicas=1 is not supported with "
-     "train.env / train.tools and train.trainer=grpo: allowed rollout.mode engine or server and pool.replicas=1"),
+     "train.env / train.tools and train.trainer=grpo: allowed rollout.mode engine or server, and pool.replicas=1 "
+     "except with train.trainer=grpo in engine mode"),
     ("train_grpo", ("train.trainer=async_grpo", "rollout.mode=server"),
      "rollout.mode=server needs train.trainer=grpo"),
     ("train_grpo", ("train.trainer=async_grpo", "pool.replicas=2"),
-     "allowed rollout.mode engine or partial and pool.replicas=1"),
+     "allowed rollout.mode engine or partial, and pool.replicas=1"),
     ("train_grpo", ("train.trainer=ppo",), "(PPO, with train.env / train.tools too, is scripts/train_ppo.py)"),
     ("train_ppo", ("pool.replicas=2",), "pool.replicas=2 is not supported with train.env / train.tools"),
     ("train_ppo", ("train.env=null", "train.reward=env"), "'env' needs train.env"),
@@ -281,3 +282,29 @@ def test_env_training_refusals(tmp_path, script, overrides, message) -> None:
     module = __import__(f"rollout.cli.{script}", fromlist=["run"])
     with pytest.raises(ValueError, match=re.escape(message)):
         module.run(compose(script, f"output_dir={tmp_path}", "train.env=tests.test_trl_tools:AdderEnv", *overrides))
+
+
+def test_train_grpo_with_env_over_a_pool(tmp_path, monkeypatch) -> None:
+    """rollout-train-grpo train.env=... pool.replicas=2: TRL's environment_factory with every turn one request on
+    the pool (rollout.envs.RemoteTurns over RolloutPool.submit), routed to its conversation's replica."""
+    import ray
+
+    from rollout.envs.remote_turns import RemoteTurns
+    from tests.test_trl_tools import train_grpo_adding
+
+    backends = []
+    init = RemoteTurns.__init__
+
+    def record(self, backend, *args, **kwargs):
+        backends.append(type(backend).__name__)
+        init(self, backend, *args, **kwargs)
+
+    monkeypatch.setattr(RemoteTurns, "__init__", record)
+    try:
+        lines = train_grpo_adding(tmp_path, monkeypatch, tmp_path / "cache", "train.env=tests.test_trl_tools:AdderEnv",
+                                  "train.reward=env", "pool.replicas=2", "pool.gpus_per_replica=0")
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    assert all(x["reward"] == 1.0 for x in lines)
+    assert backends and set(backends) == {"RolloutPool"}, backends

@@ -152,12 +152,15 @@ def load_config(raw: dict[str, Any]) -> tuple[RunConfig, TrainConfig, RolloutMod
     # async_grpo's worker is partial by construction (rollout.mode=partial adds max_staleness / recompute_running);
     # TRLRollout's partial mode hands out groups of other prompts than TRL's, whose environments TRL made and reset.
     # Over a server (grpo) each turn is one request, the earlier turns' KV from its prefix cache.
+    # Over a pool (grpo, engine mode) the same: each turn one request, routed to its conversation's replica.
     modes = ("engine", "partial") if train.trainer == "async_grpo" else ("engine", "server")
-    if (train.env or train.tools) and (mode.mode not in modes or job.pool.replicas > 1):
+    pooled = job.pool.replicas > 1 and not (train.trainer == "grpo" and mode.mode == "engine")
+    if (train.env or train.tools) and (mode.mode not in modes or pooled):
         raise ValueError(f"rollout.mode={mode.mode} with pool.replicas={job.pool.replicas} is not supported with "
                          f"train.env / train.tools and train.trainer={train.trainer}: allowed rollout.mode "
-                         f"{' or '.join(modes)} and pool.replicas=1 (the environment loop runs on the in-process "
-                         "engine or, with train.trainer=grpo, a rollout server)")
+                         f"{' or '.join(modes)}, and pool.replicas=1 except with train.trainer=grpo in engine mode (the "
+                         "environment loop runs on the in-process engine or, with train.trainer=grpo, on a rollout "
+                         "server or a pool)")
     if job.pool.replicas > 1:
         if mode.mode != "engine" or train.trainer != "grpo":
             raise ValueError(f"pool.replicas={job.pool.replicas} needs rollout.mode=engine and train.trainer=grpo "
