@@ -100,6 +100,7 @@ class AsyncEngine:
         self._stream_batches: deque[list[tuple[_Waiter, Any, BaseException | None, bool]] | None] = deque()
         self._stream_busy = False  # a batch is queued or being delivered: the next flush waits for it
         self._stream_cv = threading.Condition()
+        self._batch_done: list[Callable[[], None]] = []  # run in the stream thread after each batch
         self._streamer = threading.Thread(target=self._deliver_streams, name=name + "-streams", daemon=True)
 
     # ---- any thread --------------------------------------------------------------------------------
@@ -157,6 +158,12 @@ class AsyncEngine:
             self._aborts.append(request_id)
             self._cv.notify_all()
         waiter.future.cancel()
+
+    def on_stream_batch(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` in the stream thread after each batch of ``on_partial`` calls and settled futures: a
+        listener that buffers what a batch produces (the server's event-loop poster) hands it on once per
+        batch there, rather than once per stream (each hand-over wakes another thread that wants the GIL)."""
+        self._batch_done.append(fn)
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn`` in the loop thread at the next step boundary (also while paused or asleep)."""
@@ -333,6 +340,14 @@ class AsyncEngine:
                 except Exception:  # noqa: BLE001 - a listener's bug must not stop the others
                     log.exception("on_partial failed for request %s", out.request_id)
                 time.sleep(0)  # hand the GIL back now if the stepping thread waits for it (not after 5 ms)
+            self._batch_delivered()
+
+    def _batch_delivered(self) -> None:
+        for fn in self._batch_done:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - a listener's bug must not stop the stream thread
+                log.exception("a stream batch listener failed")
 
     def _stop_streamer(self, timeout: float | None) -> None:
         """After the last batch: the stream thread delivers everything queued, then exits."""

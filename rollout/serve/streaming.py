@@ -29,7 +29,9 @@ from rollout.serve.responses import Render, chat_logprobs, completion_logprobs, 
 
 class LoopPoster:
     """Runs functions on an asyncio event loop from other threads with one wake-up per burst: the stream
-    thread posts every stream's events of a batch, the loop is woken once (not once per stream)."""
+    thread posts every stream's events of a batch (``hold``), then wakes the loop once at the batch's end
+    (``flush``: ``AsyncEngine.on_stream_batch``). Waking it at the first post instead let the loop run (and
+    take the GIL) between streams, as the stream thread yields after each: ~0.7 wake-ups per stream."""
 
     def __init__(self, aloop: asyncio.AbstractEventLoop) -> None:
         self.aloop = aloop
@@ -37,10 +39,20 @@ class LoopPoster:
         self._calls: list[Callable[[], None]] = []
         self._scheduled = False
 
-    def post(self, fn: Callable[[], None]) -> None:
+    def hold(self, fn: Callable[[], None]) -> None:
+        """Queue ``fn`` for the next ``flush`` (the stream thread, inside a batch)."""
         with self._lock:
             self._calls.append(fn)
-            if self._scheduled:
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """Queue ``fn`` and wake the loop (from any thread)."""
+        self.hold(fn)
+        self.flush()
+
+    def flush(self) -> None:
+        """Wake the loop to run what is queued, unless a wake-up is already on its way."""
+        with self._lock:
+            if self._scheduled or not self._calls:
                 return
             self._scheduled = True
         try:
@@ -77,7 +89,7 @@ class StreamFeed:
                 return
             events = self.chunks.render_items([(tag, out, False)])
             tokens = sum(len(c.token_ids) for c in out.outputs)
-            self.poster.post(lambda: self._put(events, tokens, False, None))
+            self.poster.hold(lambda: self._put(events, tokens, False, None))  # flushed at the batch's end
 
         return landed
 
@@ -87,7 +99,7 @@ class StreamFeed:
                 return
             exc = fut.exception()
             events = [] if exc is not None or self.overflowed else self.chunks.render_items([(tag, fut.result(), True)])
-            self.poster.post(lambda: self._put(events, 0, True, exc))
+            self.poster.post(lambda: self._put(events, 0, True, exc))  # also outside a batch (closing): wakes now
 
         return done
 
