@@ -296,17 +296,23 @@ class AsyncEngine:
                 _resolve(waiter.future, out, None)
             else:  # after the deltas already handed over
                 batch.append((waiter, out, None, True))
-        for rid, waiter in streams:
-            part = self.engine.partial_output(rid, since=waiter.sent)
-            if part is not None and any(c.token_ids for c in part.outputs):
-                for c in part.outputs:
-                    waiter.sent[c.index] += len(c.token_ids)
+        partial, fresh = self.engine.partial_output, self._fresh
+        for rid, waiter in streams:  # ~3 us a stream: the stepping thread's whole share of streaming
+            part = partial(rid, since=waiter.sent)
+            if part is None:
+                continue
+            landed = 0
+            for c in part.outputs:
+                landed += len(c.token_ids)
+                waiter.sent[c.index] += len(c.token_ids)
+            if landed:
                 batch.append((waiter, part, None, False))
-                started.append(rid)
+                if rid in fresh:  # (a stale answer is harmless: the pop below is under _cv)
+                    started.append(rid)
         if started:
             with self._cv:
                 for rid in started:
-                    self._fresh.pop(rid, None)
+                    fresh.pop(rid, None)
         if due and streams:
             self._last_flush = now
         self._hand_over(batch)
