@@ -16,6 +16,13 @@
 ``--one-gpu`` (one H200): (1) and (2) on GPU 0 one after the other, plus (2) streamed (SSE, every token as
 a delta), no trainer.
 
+``--stream-cost --cpu-sim-ms 18`` (no GPU): the streaming cost on the CPU, each step padded by 18 ms of
+GIL-free sleep. Its records add the server's own side per engine step: ``*_host_ms`` (the stepping thread's
+wall and CPU outside the sleep, in ``step()``, between steps and in ``_dispatch``: wall minus CPU is time
+spent waiting for the GIL or a core) and ``*_thread_cpu_ms`` (every server thread's CPU: MainThread is the
+event loop). ``--server-cpus 0`` keeps the driver's 256 SSE reader threads off the server's core;
+``SERVE_BENCH_PROFILE=prefix`` writes cProfiles of the event loop and the stream thread.
+
 Processes use explicit device indices, not CUDA_VISIBLE_DEVICES, so NCCL sees both GPUs (P2P over NVLink).
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends are set for every child).
 """
