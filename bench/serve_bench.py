@@ -16,6 +16,13 @@
 ``--one-gpu`` (one H200): (1) and (2) on GPU 0 one after the other, plus (2) streamed (SSE, every token as
 a delta), no trainer.
 
+``--stream-cost --cpu-sim-ms 18`` (no GPU): the streaming cost on the CPU, each step padded by 18 ms of
+GIL-free sleep. Its records add the server's own side per engine step: ``*_host_ms`` (the stepping thread's
+wall and CPU outside the sleep, in ``step()``, between steps and in ``_dispatch``: wall minus CPU is time
+spent waiting for the GIL or a core) and ``*_thread_cpu_ms`` (every server thread's CPU: MainThread is the
+event loop). ``--server-cpus 0`` keeps the driver's 256 SSE reader threads off the server's core;
+``SERVE_BENCH_PROFILE=prefix`` writes cProfiles of the event loop and the stream thread.
+
 Processes use explicit device indices, not CUDA_VISIBLE_DEVICES, so NCCL sees both GPUs (P2P over NVLink).
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends are set for every child).
 """
@@ -25,8 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -91,15 +100,125 @@ def _cpu_sim_engine(args: argparse.Namespace, w: dict):
     tokenizer = AutoTokenizer.from_pretrained(materialize_default_model())
     engine = Engine.from_pretrained(torch_model, dtype="float32", device="cpu", tokenizer=tokenizer,
                                     max_model_len=w["prompt_len"] + w["new"] + 16, max_num_seqs=w["prompts"])
-    step, pad = engine.step, args.cpu_sim_ms / 1e3
+    step, pad, host = engine.step, args.cpu_sim_ms / 1e3, _HostTime()
 
     def padded_step():
+        host.enter()
         out = step()
+        host.leave()
         time.sleep(pad)
+        host.resume()
         return out
 
     engine.step = padded_step
+    engine.bench_host = host
     return engine
+
+
+class _HostTime:
+    """The stepping thread's host time per step, outside the padded sleep (the GPU's share): wall and CPU
+    inside ``step()`` and between steps (``_dispatch``, the loop), the part streaming can slow down.
+    Wall minus CPU is time the thread was runnable but waited (the GIL, or the other cores)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.step_wall = self.step_cpu = self.between_wall = self.between_cpu = 0.0
+        self.dispatch_wall = self.dispatch_cpu = 0.0
+        self._mark: tuple[float, float] | None = None
+
+    def _now(self) -> tuple[float, float]:
+        return time.perf_counter(), time.thread_time()
+
+    def enter(self) -> None:
+        now = self._now()
+        if self._mark is not None and now[0] - self._mark[0] < 1.0:  # idle gaps (no work) are not host time
+            self.between_wall += now[0] - self._mark[0]
+            self.between_cpu += now[1] - self._mark[1]
+        self._mark = now
+
+    def leave(self) -> None:
+        now = self._now()
+        self.step_wall += now[0] - self._mark[0]
+        self.step_cpu += now[1] - self._mark[1]
+        self.steps += 1
+
+    def resume(self) -> None:
+        self._mark = self._now()
+
+    def timed(self, fn):
+        """``fn`` (the loop's ``_dispatch``), its wall and CPU added to ``dispatch_*`` (part of ``between``)."""
+
+        def run(*a, **k):
+            t0, c0 = self._now()
+            try:
+                return fn(*a, **k)
+            finally:
+                t1, c1 = self._now()
+                self.dispatch_wall += t1 - t0
+                self.dispatch_cpu += c1 - c0
+
+        return run
+
+    def snapshot(self) -> dict:
+        return dict(steps=self.steps, step_wall=self.step_wall, step_cpu=self.step_cpu,
+                    between_wall=self.between_wall, between_cpu=self.between_cpu,
+                    dispatch_wall=self.dispatch_wall, dispatch_cpu=self.dispatch_cpu)
+
+
+def _profiled(run, prefix: str) -> None:
+    """``SERVE_BENCH_PROFILE=prefix``: cProfile the event loop (``prefix``.loop) and the stream thread
+    (``prefix``.streams), each dumped as the server shuts down: where the per-chunk time goes."""
+    import cProfile
+
+    from rollout.engine.async_engine import AsyncEngine
+
+    deliver = AsyncEngine._deliver_streams
+
+    def profiled_deliver(self) -> None:
+        prof = cProfile.Profile()
+        try:
+            prof.runcall(deliver, self)
+        finally:
+            prof.dump_stats(prefix + ".streams")
+
+    AsyncEngine._deliver_streams = profiled_deliver
+    # uvicorn raises the SIGTERM again once shut down: exit through ``finally`` so the profile is written
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    prof = cProfile.Profile()
+    try:
+        prof.runcall(run)
+    finally:
+        prof.dump_stats(prefix + ".loop")
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds of every live thread of this process, by name (the asyncio loop runs in MainThread)."""
+    out: dict[str, float] = {"process": time.process_time()}
+    for t in threading.enumerate():
+        try:
+            out[t.name] = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+        except (OSError, TypeError):
+            pass
+    return out
+
+
+def _monitor(engine, path: str) -> None:
+    """Write the server's per-thread CPU and host time to ``path`` every 0.1 s (the driver samples it)."""
+    from rollout.engine.async_engine import AsyncEngine
+
+    dispatch = AsyncEngine._dispatch
+    AsyncEngine._dispatch = lambda self, outs: engine.bench_host.timed(dispatch)(self, outs)
+
+    def run() -> None:
+        while True:
+            snap = {"threads": _thread_cpu(), "host": engine.bench_host.snapshot(), "t": time.perf_counter()}
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(snap, f)
+            os.replace(tmp, path)
+            time.sleep(0.1)
+
+    threading.Thread(target=run, name="bench-monitor", daemon=True).start()
 
 
 def role_server(args: argparse.Namespace) -> None:
@@ -110,13 +229,20 @@ def role_server(args: argparse.Namespace) -> None:
     from rollout.serve.config import ServeConfig, ServerConfig
     from rollout.settings.schema import SamplingConfig
 
+    if args.server_cpus:
+        os.sched_setaffinity(0, _cpus(args.server_cpus))
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     server = dict(port=0, stream_interval_s=args.stream_interval) if args.stream_interval is not None else dict(port=0)
     if args.cpu_sim_ms is not None:
         w = _workload(args, _bench())
         config = ServeConfig(sampling=SamplingConfig(n=1, max_tokens=16), server=ServerConfig(**server))
-        return serve(_cpu_sim_engine(args, w), config, "sim")
+        engine = _cpu_sim_engine(args, w)
+        if os.environ.get("SERVE_BENCH_MONITOR"):
+            _monitor(engine, os.environ["SERVE_BENCH_MONITOR"])
+        if os.environ.get("SERVE_BENCH_PROFILE"):
+            return _profiled(lambda: serve(engine, config, "sim"), os.environ["SERVE_BENCH_PROFILE"])
+        return serve(engine, config, "sim")
     torch.cuda.set_device(args.device)
     b = _bench()
     w = _workload(args, b)
@@ -202,6 +328,9 @@ def _child(role: str, device: int, *extra: str, args: argparse.Namespace | None 
         extra = (*extra, "--stream-cost", "--stream-tokens", str(args.stream_tokens))
     if args is not None and args.cpu_sim_ms is not None:
         extra = (*extra, "--cpu-sim-ms", str(args.cpu_sim_ms))
+        env["SERVE_BENCH_MONITOR"] = args.monitor_path
+    if args is not None and args.server_cpus:
+        extra = (*extra, "--server-cpus", args.server_cpus)
     for flag in ("stream_interval", "switch_interval"):
         if args is not None and getattr(args, flag) is not None:
             extra = (*extra, "--" + flag.replace("_", "-"), str(getattr(args, flag)))
@@ -270,6 +399,38 @@ def _stop(server: subprocess.Popen, records: list[dict], out: str | None) -> Non
             f.writelines(json.dumps(r) + "\n" for r in records)
 
 
+def _cpus(spec: str) -> set[int]:
+    """``--server-cpus``: "0" or "0,2" or "0-3"."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _read_monitor(args: argparse.Namespace) -> dict | None:
+    """The CPU sim server's last per-thread CPU / host time snapshot (None off the CPU sim)."""
+    if args.cpu_sim_ms is None:
+        return None
+    time.sleep(0.25)  # a snapshot taken after the run's last step
+    with open(args.monitor_path) as f:
+        return json.load(f)
+
+
+def _server_side(a: dict | None, b: dict | None) -> dict:
+    """Per engine step between two monitor snapshots: the stepping thread's host time outside the padded sleep
+    (wall and CPU, in ``step()`` and between steps) and every server thread's CPU, in ms."""
+    if a is None or b is None:
+        return {}
+    steps = max(b["host"]["steps"] - a["host"]["steps"], 1)
+    per = {k: round((b["host"][k] - a["host"][k]) / steps * 1e3, 3) for k in a["host"] if k != "steps"}
+    per["host_wall"] = round(per["step_wall"] + per["between_wall"], 3)
+    per["host_cpu"] = round(per["step_cpu"] + per["between_cpu"], 3)
+    cpu = {name: round((b["threads"][name] - a["threads"].get(name, 0.0)) / steps * 1e3, 3)
+           for name in b["threads"]}
+    return {"host_ms": per, "thread_cpu_ms": {k: v for k, v in cpu.items() if v >= 0.01}}
+
+
 def _steps(url: str) -> tuple[float, float | None]:
     """The server's engine steps and GPU compute seconds so far (None on the CPU) from ``/metrics``."""
     import urllib.request
@@ -313,13 +474,15 @@ def stream_cost(args: argparse.Namespace) -> None:
             runs = {}
             modes = [m for m in ("plain", "stream") if m in args.modes and (m == "stream" or plain is None)]
             for mode in modes:
+                m0 = _read_monitor(args)
                 (s0, g0), t0 = _steps(url), time.perf_counter()
                 tokens = (sum(len(c.token_ids) for o in client.generate(prompts, p) for c in o.outputs)
                           if mode == "plain" else _stream_all(url, client.model, prompts, p))
                 wall, (s1, g1) = time.perf_counter() - t0, _steps(url)
                 steps = s1 - s0
                 runs[mode] = dict(wall_s=round(wall, 3), tokens=tokens, steps=int(steps),
-                                  step_ms=round(wall / max(steps, 1) * 1e3, 4), tok_s=round(tokens / wall, 1))
+                                  step_ms=round(wall / max(steps, 1) * 1e3, 4), tok_s=round(tokens / wall, 1),
+                                  **_server_side(m0, _read_monitor(args)))
                 if g0 is not None and g1 is not None:  # the same steps' GPU work is the same in both modes, so
                     # wall / compute - 1 is what the host (streaming included) added, from one run alone
                     runs[mode].update(gpu_busy=round((g1 - g0) / wall, 4),
@@ -412,10 +575,15 @@ def main() -> None:
     p.add_argument("--switch-interval", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--cpu-sim-ms", type=float, default=None,
                    help="--stream-cost on the CPU: the embedded model, each step padded by this much device-like wait")
+    p.add_argument("--server-cpus", default=None,
+                   help="pin the server process to these cores (e.g. 0), the driver's client to the others")
     p.add_argument("--one-gpu", action="store_true",
                    help="engine and server on GPU 0, no trainer (the NCCL push needs a second GPU)")
     args = p.parse_args()
     args.engine_gpu = 0 if args.one_gpu or args.stream_cost else 1
+    args.monitor_path = os.path.join(tempfile.gettempdir(), f"serve_bench_monitor_{os.getpid()}.json")
+    if args.server_cpus and args.role == "drive":  # the client's threads stay off the server's cores
+        os.sched_setaffinity(0, (os.sched_getaffinity(0) - _cpus(args.server_cpus)) or os.sched_getaffinity(0))
     os.environ.update(SAFE_ENV)
     {"drive": drive, "inproc": role_inproc, "server": role_server, "trainer": role_trainer}[args.role](args)
 

@@ -267,3 +267,17 @@ def test_a_streams_first_tokens_are_not_held_for_the_interval(hf, started):
     loop.submit(prompts[1], _long(), on_partial=lambda out: first.set())
     assert first.wait(1.5), "the first tokens waited for the interval"
     assert time.monotonic() - t0 < 1.5
+
+
+def test_stream_batch_listeners_run_after_each_batch(hf, started):
+    """``on_stream_batch`` runs in the stream thread after each batch's ``on_partial`` calls: the server's
+    poster holds a batch's events and wakes its event loop there, once, so every delta is followed by one."""
+    loop = started(make_engine(hf, block_size=4, max_num_seqs=4))
+    seen: list[str] = []
+    loop.on_stream_batch(lambda: seen.append("batch"))
+    futs = [loop.submit(p, _long(20), on_partial=lambda out: seen.append("partial"))
+            for p in random_prompts(3, hf.config.vocab_size, seed=7)]
+    for fut in futs:
+        fut.result(TIMEOUT_S)
+    loop.close()
+    assert seen.count("partial") >= 3 and seen[-1] == "batch"

@@ -178,7 +178,7 @@ def test_incremental_detokenization_equals_the_whole_decode_and_stays_short(tmp_
     for ids in (words * 20, torch.randint(0, tok.vocab_size, (400,), generator=g).tolist()):
         s, text, longest = streaming._Choice(), "", 0
         for k in range(0, len(ids), 3):
-            text += streaming._decode_new(tok, s, ids[k : k + 3])
+            text += streaming._decode_new(streaming.decoder(tok), s, ids[k : k + 3])
             longest = max(longest, len(s.window))
         whole = tok.decode(ids, skip_special_tokens=True)
         assert whole.startswith(text) and len(whole) - len(text) <= 8 and longest <= streaming.MAX_UNREAD + 6

@@ -100,6 +100,7 @@ class AsyncEngine:
         self._stream_batches: deque[list[tuple[_Waiter, Any, BaseException | None, bool]] | None] = deque()
         self._stream_busy = False  # a batch is queued or being delivered: the next flush waits for it
         self._stream_cv = threading.Condition()
+        self._batch_done: list[Callable[[], None]] = []  # run in the stream thread after each batch
         self._streamer = threading.Thread(target=self._deliver_streams, name=name + "-streams", daemon=True)
 
     # ---- any thread --------------------------------------------------------------------------------
@@ -157,6 +158,12 @@ class AsyncEngine:
             self._aborts.append(request_id)
             self._cv.notify_all()
         waiter.future.cancel()
+
+    def on_stream_batch(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` in the stream thread after each batch of ``on_partial`` calls and settled futures: a
+        listener that buffers what a batch produces (the server's event-loop poster) hands it on once per
+        batch there, rather than once per stream (each hand-over wakes another thread that wants the GIL)."""
+        self._batch_done.append(fn)
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn`` in the loop thread at the next step boundary (also while paused or asleep)."""
@@ -289,17 +296,23 @@ class AsyncEngine:
                 _resolve(waiter.future, out, None)
             else:  # after the deltas already handed over
                 batch.append((waiter, out, None, True))
-        for rid, waiter in streams:
-            part = self.engine.partial_output(rid, since=waiter.sent)
-            if part is not None and any(c.token_ids for c in part.outputs):
-                for c in part.outputs:
-                    waiter.sent[c.index] += len(c.token_ids)
+        partial, fresh = self.engine.partial_output, self._fresh
+        for rid, waiter in streams:  # ~3 us a stream: the stepping thread's whole share of streaming
+            part = partial(rid, since=waiter.sent)
+            if part is None:
+                continue
+            landed = 0
+            for c in part.outputs:
+                landed += len(c.token_ids)
+                waiter.sent[c.index] += len(c.token_ids)
+            if landed:
                 batch.append((waiter, part, None, False))
-                started.append(rid)
+                if rid in fresh:  # (a stale answer is harmless: the pop below is under _cv)
+                    started.append(rid)
         if started:
             with self._cv:
                 for rid in started:
-                    self._fresh.pop(rid, None)
+                    fresh.pop(rid, None)
         if due and streams:
             self._last_flush = now
         self._hand_over(batch)
@@ -333,6 +346,14 @@ class AsyncEngine:
                 except Exception:  # noqa: BLE001 - a listener's bug must not stop the others
                     log.exception("on_partial failed for request %s", out.request_id)
                 time.sleep(0)  # hand the GIL back now if the stepping thread waits for it (not after 5 ms)
+            self._batch_delivered()
+
+    def _batch_delivered(self) -> None:
+        for fn in self._batch_done:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - a listener's bug must not stop the stream thread
+                log.exception("a stream batch listener failed")
 
     def _stop_streamer(self, timeout: float | None) -> None:
         """After the last batch: the stream thread delivers everything queued, then exits."""

@@ -46,7 +46,7 @@ class ServerConfig:
     text_workers: int = 2  # threads that tokenize, render chat templates and detokenize (never the event loop)
     max_chars_per_token: int = 32  # a string prompt over max_model_len x this many characters is refused untokenized
     stream_buffer_tokens: int = 65536  # a stream whose reader falls this many tokens behind is aborted
-    stream_interval_s: float = 0.05  # streams get their new tokens at most this often (0 = every engine step)
+    stream_interval_s: float = 0.1  # streams get their new tokens at most this often (0 = every engine step)
     max_connections: int = 1024  # open connections beyond this are closed at once (capped by the open-file limit)
     header_timeout_s: float = 10.0  # a request's head must arrive within this (slowloris guard)
     body_timeout_s: float = 60.0  # and its body within this after the head

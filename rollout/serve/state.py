@@ -99,6 +99,7 @@ class ServerState:
         """Posts streams' events onto the event loop (one wake-up per batch); made on the running loop."""
         if self._poster is None:
             self._poster = LoopPoster(asyncio.get_running_loop())
+            self.loop.on_stream_batch(self._poster.flush)
         return self._poster
 
     async def text(self, fn: Callable[..., Any], *args: Any) -> Any:
