@@ -182,3 +182,18 @@ def test_incremental_detokenization_equals_the_whole_decode_and_stays_short(tmp_
             longest = max(longest, len(s.window))
         whole = tok.decode(ids, skip_special_tokens=True)
         assert whole.startswith(text) and len(whole) - len(text) <= 8 and longest <= streaming.MAX_UNREAD + 6
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 4, 5])
+def test_characters_split_over_tokens_landing_together_stream_whole(tmp_path, step):
+    """Several multi-byte characters split over byte tokens in one batch: the streamed text is the whole decode
+    (before: after 8 unread tokens a half character went out as U+FFFD and the next one was lost: 'café, 日本�')."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(materialize_default_model(tmp_path))
+    for sentence in ("café, 日本語 🎉", "日本語🎉🎉🎉 ok", "naïve café, 日本語, emoji 🎉"):
+        ids = tok.encode(sentence, add_special_tokens=False)
+        s, text = streaming._Choice(), ""
+        for k in range(0, len(ids), step):
+            text += streaming._decode_new(streaming.decoder(tok), s, ids[k : k + step])
+        assert text == tok.decode(ids, skip_special_tokens=True) == sentence

@@ -144,17 +144,24 @@ MAX_UNREAD = 8  # tokens held back waiting for a character to complete (UTF-8: a
 
 
 def _decode_new(decode: Callable[[list[int]], str], s: _Choice, ids: list[int]) -> str:
-    """The text ``ids`` add after what ``s`` decoded so far; "" while they end inside a character (for at
-    most ``MAX_UNREAD`` tokens, so the window, and each step's decode, stays a few tokens long). ``decode``:
-    the stream's ``decoder``."""
+    """The text ``ids`` add after what ``s`` decoded so far. When they end inside a character, the text the
+    longest prefix of them completes (the rest waits for the next batch: several characters can be split over
+    byte tokens landing together); "" while none does, for at most ``MAX_UNREAD`` tokens (then the bytes are
+    not UTF-8 and go out as the final text has them), so the window, and each step's decode, stays a few tokens
+    long. ``decode``: the stream's ``decoder``."""
     s.window += ids
     prefix = decode(s.window[: s.read])
-    full = decode(s.window)
-    waiting = len(full) <= len(prefix) or full.endswith("\ufffd")
-    if waiting and len(s.window) - s.read < MAX_UNREAD:
-        return ""
-    s.window = s.window[s.read :]
-    s.read = len(s.window)
+    full, end = decode(s.window), len(s.window)
+    if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        for k in range(len(s.window) - 1, s.read, -1):
+            text = decode(s.window[:k])
+            if len(text) > len(prefix) and not text.endswith("\ufffd"):
+                full, end = text, k
+                break
+        else:
+            if len(s.window) - s.read < MAX_UNREAD:
+                return ""
+    s.window, s.read = s.window[s.read :], end - s.read
     return full[len(prefix) :]
 
 
