@@ -112,8 +112,9 @@ def test_the_default_tokenizer_decodes_through_its_rust_backend_as_decode_does(t
     seqs = [torch.randint(0, tok.vocab_size, (k,), generator=g).tolist() + special[: k % 3] for k in range(1, 40)]
     calls = []
     for kwargs in ({}, {"skip_special_tokens": False}, {"skip_special_tokens": True},
-                   {"skip_special_tokens": False, "spaces_between_special_tokens": False}):
-        expected = [tok.decode(s, **(kwargs or {"skip_special_tokens": True})) for s in seqs]
+                   {"skip_special_tokens": False, "spaces_between_special_tokens": False},
+                   {"spaces_between_special_tokens": False}):  # skip_special_tokens not given: skipped, as finals
+        expected = [tok.decode(s, **{"skip_special_tokens": True, **kwargs}) for s in seqs]
         monkeypatch.setattr(tok, "decode", lambda *a, **k: calls.append(a) or "")
         assert [streaming.decoder(tok, **kwargs)(s) for s in seqs] == expected and not calls
         monkeypatch.undo()

@@ -167,14 +167,15 @@ def _decode_new(decode: Callable[[list[int]], str], s: _Choice, ids: list[int]) 
 
 def decoder(tokenizer: Any, **decode: Any) -> Callable[[list[int]], str]:
     """``tokenizer.decode(ids, **decode)`` (``decode``: the request's ``skip_special_tokens`` /
-    ``spaces_between_special_tokens``; none given: skip), as a function of ``ids``.
+    ``spaces_between_special_tokens``; ``skip_special_tokens`` not given: skip, as the final text does), as a
+    function of ``ids``.
 
     Straight through the Rust tokenizer when that is all ``decode`` would run: a fast tokenizer whose
     ``decode`` and ``_decode`` are the library's own and that cleans up no spaces (it ignores
     ``spaces_between_special_tokens``). That costs ~1 us a call instead of ~3 (transformers converts and
     type-checks every id first), and the stream thread decodes twice per stream per batch, holding the GIL
     the stepping thread needs. Any other tokenizer goes through its ``decode``."""
-    decode = decode or {"skip_special_tokens": True}
+    decode = {"skip_special_tokens": True, **decode}  # the final text's default (SamplingParams) when not given
     if _plain_fast(tokenizer):
         rust, skip = tokenizer.backend_tokenizer, bool(decode.get("skip_special_tokens", False))
         return lambda ids: rust.decode(ids, skip_special_tokens=skip)
