@@ -158,9 +158,9 @@ def load_config(raw: dict[str, Any]) -> tuple[RunConfig, TrainConfig, RolloutMod
     if (train.env or train.tools) and (mode.mode not in modes or pooled):
         raise ValueError(f"rollout.mode={mode.mode} with pool.replicas={job.pool.replicas} is not supported with "
                          f"train.env / train.tools and train.trainer={train.trainer}: allowed rollout.mode "
-                         f"{' or '.join(modes)}, and pool.replicas=1 except with train.trainer=grpo in engine mode (the "
-                         "environment loop runs on the in-process engine or, with train.trainer=grpo, on a rollout "
-                         "server or a pool)")
+                         f"{' or '.join(modes)}, and pool.replicas=1 except with train.trainer=grpo in engine mode "
+                         "(the environment loop runs on the in-process engine or, with train.trainer=grpo, on a "
+                         "rollout server or a pool)")
     if job.pool.replicas > 1:
         if mode.mode != "engine" or train.trainer != "grpo":
             raise ValueError(f"pool.replicas={job.pool.replicas} needs rollout.mode=engine and train.trainer=grpo "
