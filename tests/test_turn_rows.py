@@ -110,3 +110,36 @@ def test_turn_rows_max_tokens_is_checked():
     for bad in (-1, 5000, True, 1.5):
         with pytest.raises(ValueError, match="turn_rows_max_tokens"):
             EngineConfig(turn_rows_max_tokens=bad)
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_a_conversation_aborted_mid_reply_frees_its_blocks_and_the_others_go_on(hf, async_mode):
+    """max_num_seqs 4 makes the replies drip a row per step; aborting one halfway through its reply (rows of it
+    in flight in async mode) frees its blocks, and the other conversations end as they do without it."""
+    def run(abort: bool):
+        engine = _engine(hf, 64, max_num_seqs=4, async_mode=async_mode)
+        conv = Conversations(engine)
+        rids = [conv.start([3 + i, 7, 11, 13, 17], TURN, f"c{i}") for i in range(3)]
+        engine.add_request([5, 9, 2], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), "decoder")
+        while len(engine.scheduler.parked) < len(rids):
+            engine.step()
+        for i, rid in enumerate(rids):
+            while not conv.resume(rid, [t + i for t in REPLY], TURN, 3):
+                engine.step()
+        engine.step()
+        engine.step()
+        seq = engine.scheduler.requests["c0"].seqs[0]
+        assert 0 < seq.num_tokens - seq.num_computed_tokens < len(REPLY)  # halfway through its reply
+        if abort:
+            conv.abort("c0")
+        while engine.has_unfinished_requests():
+            engine.step()
+        kept = {r: engine.scheduler.parked[r].seqs[0].token_ids for r in rids[1:]}
+        for r in list(engine.scheduler.parked):
+            conv.end(r)
+        return kept, engine.block_manager
+
+    ref, _ = run(False)
+    got, bm = run(True)
+    assert got == ref
+    assert all(b.ref_count == 0 for b in bm.blocks), "a block is still held after every conversation ended"
