@@ -88,6 +88,10 @@ DECODE_CONFIGS = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 2, 168), (128, 4
                   (64, 8, 3), (256, 8, 2)]
 
 
+# swapped products (--swap-ab): the key tile is the M side, 64 rows per warp group
+SWAP_CONFIGS = [(64, 4, 2), (128, 8, 2), (128, 4, 3), (256, 8, 2), (128, 4, 2, 168)]
+
+
 def decode_variants(args, batch: int, hkv: int, max_tiles: int) -> list[dict]:
     """What to time: the balanced partition (default), the previous fixed-split heuristic ("legacy") and
     the balanced one with its merge fused into the split kernel ("fused"), fixed split counts
@@ -101,6 +105,9 @@ def decode_variants(args, batch: int, hkv: int, max_tiles: int) -> list[dict]:
         out.append(dict(variant="fused", fused_merge=True))  # balanced, the merge in the split kernel
     if args.sweep_splits:
         out += [dict(variant="fixed", num_splits=s) for s in (1, 2, 4, 8, 16, 32, 64)]
+    if args.swap_ab:  # the products swapped (key tile as M): default tile, then a few others
+        out.append(dict(variant="swap", swap_ab=True))
+        out += [dict(variant="swap", swap_ab=True, config=c) for c in SWAP_CONFIGS]
     if args.sweep_decode:
         out += [dict(variant="waves", split_target=choose_split_target(hkv, sms, w)) for w in (1, 2, 8, 16)]
         out += [dict(variant="config", config=c) for c in DECODE_CONFIGS]
@@ -125,7 +132,7 @@ def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: to
     default_config = pd.decode_config
     recs = []
     for var in decode_variants(args, batch, hkv, max_tiles):
-        kw = {k: var[k] for k in ("num_splits", "split_target", "fused_merge") if k in var}
+        kw = {k: var[k] for k in ("num_splits", "split_target", "fused_merge", "swap_ab") if k in var}
         if "config" in var:
             pd.decode_config = lambda *_, c=var["config"]: c  # bench-only override of the tile choice
         try:
@@ -151,7 +158,8 @@ def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: to
 
 
 def kv_summary(recs: list[dict]) -> None:
-    """One line per (B, ctx): the default fp8 decode against the default bf16 one, same inputs' lengths."""
+    """One line per (B, ctx): the default fp8 decode against the default bf16 one, same inputs' lengths; then
+    per (kv, B, ctx) the fastest variant timed."""
     best = {(r["kv"], r["B"], r["ctx"]): r for r in recs if r["variant"] == "balanced"}
     for (kv, batch, ctx), r in best.items():
         ref = best.get(("bf16", batch, ctx))
@@ -161,6 +169,12 @@ def kv_summary(recs: list[dict]) -> None:
                 "speedup": round(ref["ms"] / r["ms"], 3), "bf16_gbps": ref["gbps"], "fp8_gbps": r["gbps"],
             }  # fmt: skip
             print(json.dumps(rec), flush=True)
+    for (kv, batch, ctx), r in best.items():
+        top = min((x for x in recs if (x["kv"], x["B"], x["ctx"]) == (kv, batch, ctx)), key=lambda x: x["ms"])
+        rec = {"bench": "fastest", "kv": kv, "B": batch, "ctx": ctx, "variant": top["variant"],
+               "swap_ab": top.get("swap_ab", False), "config": top["config"], "ms": top["ms"],
+               "vs_default": round(r["ms"] / top["ms"], 3), "gbps": top["gbps"]}  # fmt: skip
+        print(json.dumps(rec), flush=True)
 
 
 PREFILL_CONFIGS = [
@@ -289,6 +303,8 @@ def main() -> None:
     parser.add_argument("--sweep-splits", action="store_true", help="also time fixed num_splits values")
     parser.add_argument("--compare-legacy", action="store_true",
                         help="also time the previous scheme (one split count per batch size) on the same inputs")
+    parser.add_argument("--swap-ab", action="store_true",
+                        help="also time the decode kernel with its products swapped (key tile as the M side)")
     parser.add_argument("--sweep-decode", action="store_true", help="also time decode tile configs and wave counts")
     parser.add_argument("--lengths", choices=["uniform", "long-tail"], default="uniform",
                         help="every context ctx tokens, or W2-like log-uniform in [512, ctx]")

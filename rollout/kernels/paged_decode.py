@@ -52,6 +52,9 @@ MIN_CHUNK_TILES = 2  # below ~128 keys a chunk's partial write and merge cost mo
 MAX_SPLITS = 128  # old fixed-split heuristic's cap (bench A/B only)
 SCAN = 256  # sequences per step of the in-kernel prefix sum
 S_BLOCK = 16  # partials merged per step of the reduce loop
+# Whether the products run swapped (the key tile as the tensor cores' M side: _decode_tile_t), per cache kind;
+# off until bench/kernels_bench.py --swap-ab times it on the H200.
+SWAP_AB = {"16bit": False, "fp8": False}
 FP8_DECODE_MAXNREG = 168  # registers per thread of the fp8 decode kernel: three programs per SM (decode_config)
 
 
@@ -123,6 +126,51 @@ def _decode_tile(
 
 
 @triton.jit
+def _decode_tile_t(
+    q_t, m_i, l_i, acc_t, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, V_TRANS: tl.constexpr,
+    DOT_PREC: tl.constexpr, TAIL: tl.constexpr,
+):  # fmt: skip
+    """``_decode_tile`` with the products swapped ("swap AB"): scores as K [BLOCK_N, D] x q^T [D, G],
+    output as V^T [D, BLOCK_N] x P^T [BLOCK_N, G], so the key tile is the products' M side (a
+    tensor-core tile of 64 rows per warp group, fed from the registers where K and V were widened) and
+    the few query heads of a kv head are the N side (8 wide, not padded to 16 rows). Token-contiguous
+    (fp8) V is already V^T. (m_i, l_i) are per query head; ``acc_t`` is [D, G]."""
+    pos = t * BLOCK_N + offs_n
+    ok = (pos < seq_len) & (pos >= start)
+    blk = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
+    slot = pos % PAGE
+    off = blk * stride_kb + slot * stride_ks + kvh * stride_kh
+    k = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q_t.dtype)
+    s = tl.dot(k, q_t, input_precision=DOT_PREC)  # [BLOCK_N, G]
+    if KV_FP8:
+        s = s * (k_sc * qk_scale)[:, None]
+    else:
+        s = s * qk_scale
+    s = tl.where(ok[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(p, 0)
+    v = load_v_tile(v_ptr, blk, slot, pos, seq_len, kvh, ok, offs_d, stride_vb, stride_vs, stride_vh, stride_vd,
+                    PAGE, V_TRANS, TAIL)  # fmt: skip
+    v = v.to(q_t.dtype)
+    if V_TRANS:
+        if TAIL:
+            v = tl.where(ok[None, :], v, 0.0)
+    else:
+        v = tl.trans(v)
+    if KV_FP8:
+        v_top = tl.maximum(tl.max(v_sc, 0), 1.0e-30)
+        pv = (p * (v_sc * (1.0 / v_top))[:, None]).to(q_t.dtype)
+        acc_t = acc_t * alpha[None, :] + tl.dot(v, pv, input_precision=DOT_PREC) * v_top
+    else:
+        acc_t = acc_t * alpha[None, :] + tl.dot(v, p.to(q_t.dtype), input_precision=DOT_PREC)
+    return m_new, l_i, acc_t
+
+
+@triton.jit
 def _merge_chunks(part_o_ptr, part_lse_ptr, out_ptr, first, n, b, heads, g_ok, offs_d, num_heads, stride_ot,
                   stride_oh, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr):  # fmt: skip
     """Merge chunks [first, first + n)'s (out, lse) partials of one kv head's query heads into ``out``;
@@ -160,7 +208,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, FIXED_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
     V_TRANS: tl.constexpr, SCALE_CONTIG: tl.constexpr, DOT16: tl.constexpr, DOT_PREC: tl.constexpr,
-    SCAN_N: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    SCAN_N: tl.constexpr, FUSED_MERGE: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -217,26 +265,46 @@ def _decode_split_kernel(
     q = to_dot16(q, DOT16)  # fp8 K/V: the products run in fp16 (one conversion instruction per 2 values)
     m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile cannot make NaNs
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
-    acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     full = tl.minimum(t1, tl.maximum(seq_len // BLOCK_N, t0))  # tiles [t0, full) end within the sequence
     k_sc, v_sc = _tile_scales(t0, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss, stride_sh, offs_n,
                               PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
-    for t in range(t0, full):
-        k_next, v_next = _tile_scales(t + 1, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss, stride_sh,
-                                      offs_n, PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
-        m_i, l_i, acc = _decode_tile(
-            q, m_i, l_i, acc, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
-            PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, False,
-        )  # fmt: skip
-        k_sc, v_sc = k_next, v_next
-    for t in range(full, t1):  # at most one: the tile holding the sequence's end
-        m_i, l_i, acc = _decode_tile(
-            q, m_i, l_i, acc, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
-            PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, True,
-        )  # fmt: skip
+    if SWAP_AB:
+        q_t = tl.trans(q)
+        acc_t = tl.zeros([HEAD_DIM, G_PAD], dtype=tl.float32)
+        for t in range(t0, full):
+            k_next, v_next = _tile_scales(t + 1, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
+                                          stride_sh, offs_n, PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
+            m_i, l_i, acc_t = _decode_tile_t(
+                q_t, m_i, l_i, acc_t, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
+                PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, False,
+            )  # fmt: skip
+            k_sc, v_sc = k_next, v_next
+        for t in range(full, t1):  # at most one: the tile holding the sequence's end
+            m_i, l_i, acc_t = _decode_tile_t(
+                q_t, m_i, l_i, acc_t, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
+                PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, True,
+            )  # fmt: skip
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
+        for t in range(t0, full):
+            k_next, v_next = _tile_scales(t + 1, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
+                                          stride_sh, offs_n, PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
+            m_i, l_i, acc = _decode_tile(
+                q, m_i, l_i, acc, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
+                PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, False,
+            )  # fmt: skip
+            k_sc, v_sc = k_next, v_next
+        for t in range(full, t1):  # at most one: the tile holding the sequence's end
+            m_i, l_i, acc = _decode_tile(
+                q, m_i, l_i, acc, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
+                PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, True,
+            )  # fmt: skip
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -341,6 +409,7 @@ def paged_decode_attention(
     split_target: int | None = None,
     min_chunk: int = MIN_CHUNK_TILES,
     fused_merge: bool = False,
+    swap_ab: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (q: [B, Hq, D]) over its ``seq_lens[i]`` cached tokens.
 
@@ -350,7 +419,9 @@ def paged_decode_attention(
     into that many chunks (the old scheme; A/B and tests); ``split_target``/``min_chunk`` tune the
     balanced partition. ``fused_merge``: the last chunk of a split sequence merges the partials (one
     atomic counter per sequence and kv head) instead of a second kernel (opt-in until timed on the
-    H200: bench/kernels_bench.py --compare-legacy). Returns ``out`` ([B, Hq, D], q's dtype).
+    H200: bench/kernels_bench.py --compare-legacy). ``swap_ab``: the products with the key tile as the
+    tensor cores' M side (``_decode_tile_t``); None = ``SWAP_AB`` for the cache's dtype (bench/kernels_bench.py
+    --swap-ab times both). Returns ``out`` ([B, Hq, D], q's dtype).
     """
     check_paged_inputs(q, kv_cache, block_tables, kv_scales)
     window = check_window(sliding_window)
@@ -374,6 +445,9 @@ def paged_decode_attention(
         raise ValueError(f"split_target and min_chunk must be >= 1; got {split_target}, {min_chunk}")
     group = hq // hkv
     ptrs, strides, consts = kv_args(kv_cache, kv_scales, q)
+    if swap_ab is None:
+        swap_ab = SWAP_AB["fp8" if consts["KV_FP8"] else "16bit"]
+    g_pad = max(8 if swap_ab else 16, triton.next_power_of_2(group))  # a dot's N may be 8, its M 16 at least
     block_n, warps, stages, *maxnreg = decode_config(page, d, ptrs[0].dtype)
     launch = dict(num_warps=warps, num_stages=stages)
     if maxnreg and maxnreg[0]:
@@ -390,9 +464,9 @@ def paged_decode_attention(
         *strides,
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, PAGE=page,
+        GROUP=group, G_PAD=g_pad, HEAD_DIM=d, PAGE=page,
         BLOCK_N=block_n, FIXED_SPLITS=num_splits or 0, USE_WINDOW=window > 0, **consts,
-        DOT_PREC=dot_precision(q), SCAN_N=SCAN, FUSED_MERGE=fused_merge, **launch,
+        DOT_PREC=dot_precision(q), SCAN_N=SCAN, FUSED_MERGE=fused_merge, SWAP_AB=swap_ab, **launch,
     )  # fmt: skip
     if num_splits != 1 and not fused_merge:
         _decode_reduce_kernel[(batch, hq)](
