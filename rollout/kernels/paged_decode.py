@@ -52,9 +52,10 @@ MIN_CHUNK_TILES = 2  # below ~128 keys a chunk's partial write and merge cost mo
 MAX_SPLITS = 128  # old fixed-split heuristic's cap (bench A/B only)
 SCAN = 256  # sequences per step of the in-kernel prefix sum
 S_BLOCK = 16  # partials merged per step of the reduce loop
-# Whether the products run swapped (the key tile as the tensor cores' M side: _decode_tile_t), per cache kind;
-# off until bench/kernels_bench.py --swap-ab times it on the H200.
-SWAP_AB = {"16bit": False, "fp8": False}
+# Whether the products run swapped (the key tile as the tensor cores' M side: _decode_tile_t), per cache kind.
+# H200, qwen2.5-1.5b, long-tail to 16K (bench/results/h200_2026-12-02_kernels_swap_ab.jsonl): fp8 1.07-1.08x
+# faster swapped (B=256: 0.258 vs 0.279 ms), bf16 1.01-1.04x slower, so only fp8 swaps.
+SWAP_AB = {"16bit": False, "fp8": True}
 FP8_DECODE_MAXNREG = 168  # registers per thread of the fp8 decode kernel: three programs per SM (decode_config)
 
 
