@@ -88,8 +88,13 @@ DECODE_CONFIGS = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 2, 168), (128, 4
                   (64, 8, 3), (256, 8, 2)]
 
 
-# swapped products (--swap-ab): the key tile is the M side, 64 rows per warp group
-SWAP_CONFIGS = [(64, 4, 2), (128, 8, 2), (128, 4, 3), (256, 8, 2), (128, 4, 2, 168)]
+# swapped products (--swap-ab): tiles to time beside the default. Timed at 5bc5e35 (B=256, fp8): (128, 4, 2, 168)
+# 0.258 ms, (64, 4, 2) 0.272, (128, 4, 3) 0.304, (256, 8, 2) 0.428, (128, 8, 2) 0.481 (one program per SM by
+# registers). bench/kernel_sass.py (Triton 3.6, sm_90) ranks the untimed ones: the fp8 default holds 3 programs
+# (12 warps) per SM at 11.0 KV bytes per warp-instruction, bf16's 5 (20 warps) at 15.3; the ones below keep
+# ~11 bytes with 6-11 programs per SM (shared memory bounds them: two stages of K and V).
+SWAP_CONFIGS = [(64, 4, 2), (128, 4, 3), (64, 2, 2), (64, 2, 2, 144), (64, 2, 3, 168), (32, 1, 2), (128, 4, 1, 168),
+                (128, 4, 2, 144)]
 
 
 def decode_variants(args, batch: int, hkv: int, max_tiles: int) -> list[dict]:

@@ -1,0 +1,40 @@
+"""bench/kernel_sass.py: the decode kernel compiled for sm_90 on the CPU, as paged_decode_attention launches it."""
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.script_helpers import ROOT
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_kernel_sass", ROOT / "bench" / "kernel_sass.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _tools() -> bool:
+    triton = pytest.importorskip("triton")
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    return (tools / "cuobjdump").exists() and (tools / "ptxas").exists() or shutil.which("cuobjdump") is not None
+
+
+@pytest.mark.parametrize("kv,swap", [("bf16", False), ("fp8", True)])
+def test_decode_kernel_sass_has_its_key_tile_loop(kv: str, swap: bool) -> None:
+    if not _tools():
+        pytest.skip("this Triton wheel carries no ptxas / cuobjdump")
+    rec = _load().report(kv, swap, hq=12, hkv=2, d=128, page=16, batch=256)
+    assert rec["target"] == "sm_90" and rec["swap_ab"] is swap and rec["G_PAD"] == (8 if swap else 16)
+    assert rec["loops"], "no loop with tensor-core instructions found"
+    mix = rec["loops"][0]["mix"]
+    assert any("MMA" in op for op in mix)
+    assert rec["main_loop_instructions"] > 100 and rec["bytes_per_warp_instruction"] > 1
+    # K/V tiles come in by asynchronous copies (16-byte aligned pointers and strides specialised as at launch)
+    assert any(op.startswith("LDGSTS") for op in mix)
+    if kv == "fp8":  # e4m3 widened to fp16 in registers
+        assert any(op.startswith("F2FP.F16.E4M3") for op in mix)
