@@ -294,6 +294,11 @@ def make_engine(hf: torch.nn.Module, w: dict, params: list[SamplingParams], mode
         if info["preemption"] == "swap":
             opts["swap_space_gib"] = swap_space_gib(need, blocks, kv_block_bytes(w["preset"], args.kv_cache_dtype, bs))
     info["swap_space_gib"] = opts.get("swap_space_gib", 0.0)
+    if getattr(args, "decode_split", "balanced") == "legacy":
+        with legacy_decode_split(opts["max_model_len"]):
+            engine, info = make_engine(hf, w, params, mode, argparse.Namespace(**{**vars(args), "decode_split": None}))
+        return engine, dict(info, decode_split="legacy")
+    info["decode_split"] = "balanced"
     try:
         return Engine.from_pretrained(hf, num_blocks=blocks, **opts), dict(info, kv_budget_fit=True)
     except KVCacheTooLarge as e:
@@ -321,6 +326,42 @@ def generate_with_push(engine: Engine, hf: torch.nn.Module, prompts: list, param
                         running_at_push=stats.num_running_seqs, live_kv_tokens_at_push=kv_tokens,
                         generated_at_push=stats.num_generated_tokens - start)
     return [done[r] for r in rids], push
+
+
+class legacy_decode_split:
+    """Within the block, engines built take the previous split heuristic for decode (issue 23.4's A/B): every
+    sequence of a step in ``choose_num_splits(batch, kv heads, max_tiles, SMs)`` fixed chunks, ``max_tiles``
+    from the engine's ``max_model_len`` (a host constant per batch size, so the captured graphs stay valid),
+    instead of chunks balanced over the live lengths on the device. The Triton backend binds the kernel when
+    it is built, so the wrapper must be in place while the engine is built."""
+
+    def __init__(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+
+    def __enter__(self):
+        import rollout.kernels.paged_decode as pd
+
+        self.pd, self.real = pd, pd.paged_decode_attention
+        self.kernel = self.real  # what decode() calls (a test may stand in for it)
+        pd.paged_decode_attention = self.decode
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.pd.paged_decode_attention = self.real
+
+    def num_splits(self, q: torch.Tensor, kv_cache) -> int:
+        from rollout.kernels.paged_common import kv_halves, kv_shape
+
+        pd = self.pd
+        page, hkv, d = kv_shape(kv_cache)
+        block_n = pd.decode_config(page, d, kv_halves(kv_cache)[0].dtype)[0]
+        return pd.choose_num_splits(q.shape[0], hkv, -(-self.max_model_len // block_n), pd.num_sms(q.device))
+
+    def decode(self, q, kv_cache, block_tables, seq_lens, scale, sliding_window=None, out=None, num_splits=None,
+               **kw):  # fmt: skip
+        if num_splits is None:
+            num_splits = self.num_splits(q, kv_cache)
+        return self.kernel(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out, num_splits, **kw)
 
 
 def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args: argparse.Namespace,
@@ -571,6 +612,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None, help="engine block_size (default: EngineConfig's, 16); "
                    "128 is FA4's TMA page, where attention_backend auto picks fa4")
     p.add_argument("--attention-backend", default="auto", help="auto | triton | fa4 | flash_attn | torch")
+    p.add_argument("--compare-legacy", action="store_true",
+                   help="also run each mode with the previous decode split (fixed chunks per batch size, "
+                        "choose_num_splits) instead of chunks balanced over the live lengths; the balanced record "
+                        "carries vs_legacy")
     p.add_argument("--out", default=None)
     return p
 
@@ -629,6 +674,14 @@ def main() -> None:
         for config in configs[1:]:
             for first in firsts:
                 recs.append(run_ours(name, w, hf, first["mode"], bw, with_config(args, *config), peak=peak))
+        if args.compare_legacy:
+            legacy = argparse.Namespace(**{**vars(args), "decode_split": "legacy"})
+            for first in firsts:
+                r = run_ours(name, w, hf, first["mode"], bw, legacy, peak=peak)
+                first["vs_legacy"] = round(first["tok_s"] / r["tok_s"], 3)
+                first["decode_compute_vs_legacy"] = round(
+                    r["mean_decode_compute_ms"] / first["mean_decode_compute_ms"], 3)
+                recs.append(r)
         if args.push_mid_run:
             base = next((r for r in recs if r.get("mode") == "async" and "push_ms" not in r), None)
             for recompute in (True, False):

@@ -51,3 +51,30 @@ def test_roofline_takes_the_larger_of_bytes_and_flops_per_op_class(bench):
     assert big["gemm_compute_bound_steps"] == 1 and small["gemm_compute_bound_steps"] == 0
     both = bench.roofline_s([rec(batch=8, kv_tokens=10**6), rec(batch=1000, kv_tokens=10**6)], **args)
     assert both["total"] == pytest.approx(small["total"] + big["total"])
+
+
+def test_compare_legacy_builds_backends_with_the_fixed_split(bench):
+    """--compare-legacy (issue 23.4): a backend built inside ``legacy_decode_split`` passes the previous
+    heuristic's num_splits (per batch size, from max_model_len) to the decode kernel; one built outside, none."""
+    import torch
+
+    import rollout.kernels.paged_decode as pd
+    from rollout.layers.triton_backend import TritonAttentionBackend
+
+    real = pd.paged_decode_attention
+    calls = []
+    cache = torch.zeros(2, 4, 16, 2, 128, dtype=torch.bfloat16)
+    q = torch.zeros(3, 12, 128, dtype=torch.bfloat16)
+    with bench.legacy_decode_split(4096) as legacy:
+        assert pd.paged_decode_attention == legacy.decode
+        legacy.kernel = lambda *a, **kw: calls.append((a, kw))
+        backend = TritonAttentionBackend()
+    assert pd.paged_decode_attention is real, "the kernel must be restored after the block"
+    backend._decode(q, cache, torch.zeros(3, 1, dtype=torch.int32), torch.ones(3, dtype=torch.int32), 0.1,
+                    kv_scales=None)
+    expect = pd.choose_num_splits(3, 2, -(-4096 // pd.decode_config(16, 128, torch.bfloat16)[0]), pd.num_sms(q.device))
+    (args, kw), = calls
+    assert args[7] == expect and kw == {"kv_scales": None}
+    assert TritonAttentionBackend()._decode is real
+    parser_args = bench.parse_args(["--workload", "W3", "--compare-legacy"])
+    assert parser_args.compare_legacy
