@@ -24,6 +24,11 @@ uniform distribution) a turn's length is geometric with mean ~256, capped at 512
 then also waits for the longest turn of each round while its batch drains; the fixed form only lets the engine
 loop win the tool waits (at most the three slowest sleeps, ~0.6 s of ~10 s: ~1.1x, docs/benchmarks.md).
 
+``--tool-latency agentic`` (workload ``W4-tools``, or ``W4-geo-tools``): the environment calls take what an
+agent's tools do (code execution, search: log-normal, median 0.5 s, p99 ~5 s, cap 8 s) instead of 0-200 ms.
+The turn-synchronous loop then waits about the slowest of 256 calls (several seconds) after each round; the
+engine loop lets each conversation wait only for its own.
+
 Reported per mode: model tok/s (generated tokens / wall), GPU busy fraction (compute-stream time / wall; None on
 the CPU), prefill tokens over (prompt + environment) tokens, and for env_loop ``vs_turn_sync`` and
 ``vs_turn_sync_nocache`` (tok/s ratios).
@@ -37,6 +42,7 @@ import concurrent.futures as cf
 import datetime as dt
 import gc
 import json
+import math
 import os
 import random
 import subprocess
@@ -77,8 +83,21 @@ class SleepyEnv:
         return reply_text(self.rng, self.w)
 
 
+# --tool-latency agentic: an agent's tools (code execution, search, a compiler) take from ~0.1 s to several
+# seconds: log-normal, median 500 ms, sigma 1 (p90 ~1.8 s, p99 ~5 s), capped at 8 s. Tiny: a fiftieth of that.
+AGENTIC_MS = dict(median=500.0, sigma=1.0, cap=8000.0)
+
+
+def sleep_ms(rng: random.Random, w: dict) -> float:
+    """One environment call's latency: W4's uniform 0-200 ms, or the agentic log-normal."""
+    if w.get("tool_latency", "w4") == "agentic":
+        a = w["agentic_ms"]
+        return min(rng.lognormvariate(math.log(a["median"]), a["sigma"]), a["cap"])
+    return rng.uniform(*w["sleep_ms"])
+
+
 def reply_text(rng: random.Random, w: dict) -> str:
-    time.sleep(rng.uniform(*w["sleep_ms"]) / 1e3)
+    time.sleep(sleep_ms(rng, w) / 1e3)
     n = rng.randint(*w["reply"])
     return " ".join(str(rng.randrange(100, w["vocab"] - 100)) for _ in range(n))
 
@@ -224,10 +243,10 @@ def measure(mode: str, hf: torch.nn.Module, w: dict, device: str, prof: bool = F
     if after.gpu_compute_s is not None and before.gpu_compute_s is not None:
         busy = round((after.gpu_compute_s - before.gpu_compute_s) / wall, 4)
     geo = w.get("turn_lengths", "fixed") == "geometric"
-    name = "W4-geo" if geo else "W4"
+    name = ("W4-geo" if geo else "W4") + ("-tools" if w.get("tool_latency") == "agentic" else "")
     rec = dict(workload=name if w["preset"] != "tiny" else f"{name}-tiny", mode=mode, preset=w["preset"],
                conversations=w["conversations"], turns=w["turns"], turn_tokens=w["turn_tokens"],
-               turn_lengths=w.get("turn_lengths", "fixed"),
+               turn_lengths=w.get("turn_lengths", "fixed"), tool_latency=w.get("tool_latency", "w4"),
                timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), wall_s=round(wall, 3),
                model_tokens=generated, tok_s=round(generated / wall, 1), gpu_busy_frac=busy,
                prefill_tokens=prefill, given_tokens=counts["given_tokens"], env_tokens=counts["env_tokens"],
@@ -248,9 +267,15 @@ def measure(mode: str, hf: torch.nn.Module, w: dict, device: str, prof: bool = F
     return rec
 
 
-def run(tiny: bool, modes: list[str], out: str | None, prof: bool = False, turn_lengths: str = "fixed") -> list[dict]:
+def run(tiny: bool, modes: list[str], out: str | None, prof: bool = False, turn_lengths: str = "fixed",
+        tool_latency: str = "w4") -> list[dict]:
     device = "cpu" if tiny or not torch.cuda.is_available() else "cuda"
     w = dict(TINY if tiny else W4)
+    if tool_latency == "agentic":
+        w.update(tool_latency="agentic", agentic_ms={k: v / (50 if tiny else 1) for k, v in AGENTIC_MS.items()}
+                 | {"sigma": AGENTIC_MS["sigma"]})
+    elif tool_latency != "w4":
+        raise ValueError(f"tool_latency must be w4 or agentic, got {tool_latency!r}")
     if turn_lengths == "geometric":  # mean ~turn_tokens, capped at twice it
         w.update(turn_lengths="geometric", stop_every=w["turn_tokens"], turn_tokens=2 * w["turn_tokens"])
     elif turn_lengths != "fixed":
@@ -295,10 +320,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", action="store_true", help="run each mode under torch.profiler: its top kernels")
     p.add_argument("--turn-lengths", default="fixed", choices=("fixed", "geometric"),
                    help="geometric: turns end at stop ids (mean 256 tokens, cap 512): W4-geo")
+    p.add_argument("--tool-latency", default="w4", choices=("w4", "agentic"),
+                   help="agentic: environment calls log-normal, median 0.5 s, p99 ~5 s, cap 8 s (workload W4-tools)")
     args = p.parse_args(argv)
     if not args.tiny and not torch.cuda.is_available():
         sys.exit("W4 needs a CUDA GPU (or --tiny for the CPU smoke run)")
-    run(args.tiny, [m for m in args.modes.split(",") if m], args.out, args.profile, args.turn_lengths)
+    run(args.tiny, [m for m in args.modes.split(",") if m], args.out, args.profile, args.turn_lengths,
+        args.tool_latency)
 
 
 if __name__ == "__main__":

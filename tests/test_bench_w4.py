@@ -35,3 +35,22 @@ def test_w4_geometric_turns_end_at_stop_ids() -> None:
     assert loop["workload"] == sync["workload"] == "W4-geo-tiny" and loop["turn_tokens"] == 24
     assert loop["model_tokens"] < 8 * 3 * 24 and sync["model_tokens"] < 8 * 3 * 24  # stops hit before the cap
     assert loop["prefill_over_given"] == 1.0
+
+
+def test_w4_agentic_tool_latency() -> None:
+    """W4-tools: environment calls log-normal (median 0.5 s, capped at 8 s), seeded; both modes still run."""
+    import random
+    import statistics
+
+    spec = importlib.util.spec_from_file_location("bench_multiturn_tools", ROOT / "bench" / "multiturn.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    w = dict(module.W4, tool_latency="agentic", agentic_ms=dict(module.AGENTIC_MS))
+    draws = [module.sleep_ms(random.Random(i), w) for i in range(4000)]
+    assert 400 < statistics.median(draws) < 600 and max(draws) <= 8000 and sum(d > 2000 for d in draws) > 200
+    assert module.sleep_ms(random.Random(7), w) == module.sleep_ms(random.Random(7), w)
+    assert all(0 <= module.sleep_ms(random.Random(i), dict(module.W4)) <= 200 for i in range(50))
+    loop, sync = module.run(True, ["env_loop", "turn_sync"], None, tool_latency="agentic")
+    assert loop["workload"] == sync["workload"] == "W4-tools-tiny" and loop["tool_latency"] == "agentic"
+    assert loop["model_tokens"] == sync["model_tokens"] == 8 * 3 * 12 and "vs_turn_sync" in loop
