@@ -41,7 +41,8 @@ class _Captured(Exception):
     pass
 
 
-def capture_launch(kv: str, hq: int, hkv: int, d: int, page: int, batch: int, swap_ab: bool | None) -> dict:
+def capture_launch(kv: str, hq: int, hkv: int, d: int, page: int, batch: int, swap_ab: bool | None,
+                   scale_lead: int | None = None, config: tuple | None = None, fast_deq: int | None = None) -> dict:
     """The positional arguments and keywords ``paged_decode_attention`` passes to the split kernel."""
     import rollout.kernels.paged_decode as pd
     from rollout.layers.kv_quant import fp8_block_bytes, fp8_views
@@ -64,14 +65,17 @@ def capture_launch(kv: str, hq: int, hkv: int, d: int, page: int, batch: int, sw
 
             return launch
 
-    real = pd._decode_split_kernel
+    real, real_config = pd._decode_split_kernel, pd.decode_config
     pd._decode_split_kernel = Grab()
+    if config:
+        pd.decode_config = lambda *_: config if len(config) == 4 else (*config, None)
     try:
-        pd.paged_decode_attention(q, cache, tables, lens, 0.1, kv_scales=scales, swap_ab=swap_ab)
+        pd.paged_decode_attention(q, cache, tables, lens, 0.1, kv_scales=scales, swap_ab=swap_ab,
+                                  scale_lead=scale_lead, fast_deq=fast_deq)
     except _Captured:
         pass
     finally:
-        pd._decode_split_kernel = real
+        pd._decode_split_kernel, pd.decode_config = real, real_config
     return got
 
 
@@ -162,10 +166,11 @@ def mma_loops(instrs: list[tuple[int, str, str]]) -> list[dict]:
     return loops
 
 
-def report(kv: str, swap_ab: bool | None, hq: int, hkv: int, d: int, page: int, batch: int) -> dict:
+def report(kv: str, swap_ab: bool | None, hq: int, hkv: int, d: int, page: int, batch: int,
+           scale_lead: int | None = None, config: tuple | None = None, fast_deq: int | None = None) -> dict:
     import triton
 
-    launch = capture_launch(kv, hq, hkv, d, page, batch, swap_ab)
+    launch = capture_launch(kv, hq, hkv, d, page, batch, swap_ab, scale_lead, config, fast_deq)
     kernel = compile_sm90(launch)
     kw = launch["kw"]
     instrs = disassemble(kernel)
@@ -175,6 +180,7 @@ def report(kv: str, swap_ab: bool | None, hq: int, hkv: int, d: int, page: int, 
     main = loops[0] if loops else None
     return {
         "bench": "kernel_sass", "triton": triton.__version__, "target": "sm_90", "kv": kv, "swap_ab": kw["SWAP_AB"],
+        "scale_lead": kw["SCALE_LEAD"], "fast_deq": kw["FAST_DEQ"],
         "hq": hq, "hkv": hkv, "head_dim": d, "page": page, "block_n": kw["BLOCK_N"], "G_PAD": kw["G_PAD"],
         "num_warps": kw.get("num_warps"), "num_stages": kw.get("num_stages"), "maxnreg": kw.get("maxnreg"),
         "shared_bytes": kernel.metadata.shared, "registers": regs,
@@ -195,18 +201,24 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page", type=int, default=16)
     p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--scale-lead", default="default", help="comma list of 1, 2, default (the kernel's SCALE_LEAD)")
+    p.add_argument("--fast-deq", type=int, default=None, help="fp8 widening: 0 F2FP, 1 V by integer ops, 2 K and V")
+    p.add_argument("--config", default=None, help="BLOCK_N,num_warps,num_stages[,maxnreg]: the tile to compile")
     p.add_argument("--out", default=None, help="append the JSON lines to this file")
     args = p.parse_args()
+    config = tuple(int(x) for x in args.config.split(",")) if args.config else None
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     for kv in args.kv.split(","):
         for s in args.swap_ab.split(","):
-            swap = None if s == "default" else bool(int(s))
-            rec = report(kv, swap, args.hq, args.hkv, args.head_dim, args.page, args.batch)
-            line = json.dumps(rec)
-            print(line, flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(line + "\n")
+            for lead in args.scale_lead.split(","):
+                swap = None if s == "default" else bool(int(s))
+                rec = report(kv, swap, args.hq, args.hkv, args.head_dim, args.page, args.batch,
+                             None if lead == "default" else int(lead), config, args.fast_deq)
+                line = json.dumps(rec)
+                print(line, flush=True)
+                if args.out:
+                    with open(args.out, "a") as f:
+                        f.write(line + "\n")
 
 
 if __name__ == "__main__":

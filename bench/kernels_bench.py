@@ -96,8 +96,14 @@ DECODE_CONFIGS = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 2, 168), (128, 4
 SWAP_CONFIGS = [(64, 4, 2), (128, 4, 3), (64, 2, 2), (64, 2, 2, 144), (64, 2, 3, 168), (32, 1, 2), (128, 4, 1, 168),
                 (128, 4, 2, 144)]
 
+# --sweep-fp8 (issue 23.1): the swapped fp8 kernel's tiles, each with the scales' block ids one and two tiles
+# ahead. H200 at this list's first timing (bench/results/h200_2026-12-03_kernels_fp8_sweep.jsonl, B=256, 16K
+# tail): (64, 2, 3, 168) 0.233 ms, the previous default (128, 4, 2, 168) 0.256, bf16 0.303.
+FP8_CONFIGS = [(128, 4, 2, 168), (64, 2, 3, 168), (64, 2, 4, 168), (64, 2, 3, 128), (64, 2, 3), (64, 1, 3),
+               (32, 1, 3), (32, 1, 4), (64, 4, 3, 168), (128, 4, 3, 128)]
 
-def decode_variants(args, batch: int, hkv: int, max_tiles: int) -> list[dict]:
+
+def decode_variants(args, batch: int, hkv: int, max_tiles: int, kv: str = "bf16") -> list[dict]:
     """What to time: the balanced partition (default), the previous fixed-split heuristic ("legacy") and
     the balanced one with its merge fused into the split kernel ("fused"), fixed split counts
     (--sweep-splits), tile configs and wave counts (--sweep-decode)."""
@@ -113,6 +119,13 @@ def decode_variants(args, batch: int, hkv: int, max_tiles: int) -> list[dict]:
     if args.swap_ab:  # the products swapped (key tile as M): default tile, then a few others
         out.append(dict(variant="swap", swap_ab=True))
         out += [dict(variant="swap", swap_ab=True, config=c) for c in SWAP_CONFIGS]
+    if getattr(args, "sweep_fp8", False) and kv == "fp8":  # issue 23.1: swapped fp8 tiles x scale lead x waves
+        for c in FP8_CONFIGS:
+            out += [dict(variant="fp8", swap_ab=True, scale_lead=lead, config=c) for lead in (1, 2)]
+        best = FP8_CONFIGS[1]
+        out += [dict(variant="fp8_deq", swap_ab=True, scale_lead=2, config=best, fast_deq=f) for f in (1, 2, 3)]
+        out += [dict(variant="fp8_waves", swap_ab=True, scale_lead=2, config=best,
+                     split_target=choose_split_target(hkv, sms, w)) for w in (2, 6, 8, 12)]
     if args.sweep_decode:
         out += [dict(variant="waves", split_target=choose_split_target(hkv, sms, w)) for w in (1, 2, 8, 16)]
         out += [dict(variant="config", config=c) for c in DECODE_CONFIGS]
@@ -136,8 +149,9 @@ def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: to
     max_tiles = -(-inputs[0][2].shape[1] * args.page // pd.decode_config(args.page, d, kv_dtype)[0])
     default_config = pd.decode_config
     recs = []
-    for var in decode_variants(args, batch, hkv, max_tiles):
-        kw = {k: var[k] for k in ("num_splits", "split_target", "fused_merge", "swap_ab") if k in var}
+    for var in decode_variants(args, batch, hkv, max_tiles, kv):
+        keys = ("num_splits", "split_target", "fused_merge", "swap_ab", "scale_lead", "fast_deq")
+        kw = {k: var[k] for k in keys if k in var}
         if "config" in var:
             pd.decode_config = lambda *_, c=var["config"]: c  # bench-only override of the tile choice
         try:
@@ -310,6 +324,8 @@ def main() -> None:
                         help="also time the previous scheme (one split count per batch size) on the same inputs")
     parser.add_argument("--swap-ab", action="store_true",
                         help="also time the decode kernel with its products swapped (key tile as the M side)")
+    parser.add_argument("--sweep-fp8", action="store_true",
+                        help="also time the swapped fp8 kernel's tiles x scale lead (1, 2) x waves (issue 23.1)")
     parser.add_argument("--sweep-decode", action="store_true", help="also time decode tile configs and wave counts")
     parser.add_argument("--lengths", choices=["uniform", "long-tail"], default="uniform",
                         help="every context ctx tokens, or W2-like log-uniform in [512, ctx]")

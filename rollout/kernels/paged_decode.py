@@ -35,6 +35,7 @@ from rollout.kernels.paged_common import (  # noqa: F401 - re-exported for calle
     check_paged_inputs,
     check_window,
     dot_precision,
+    e4m3_to_f16_x2m8,
     is_fp8,
     kv_args,
     kv_shape,
@@ -56,6 +57,13 @@ S_BLOCK = 16  # partials merged per step of the reduce loop
 # H200, qwen2.5-1.5b, long-tail to 16K (bench/results/h200_2026-12-02_kernels_swap_ab.jsonl): fp8 1.07-1.08x
 # faster swapped (B=256: 0.258 vs 0.279 ms), bf16 1.01-1.04x slower, so only fp8 swaps.
 SWAP_AB = {"16bit": False, "fp8": True}
+# How many key tiles ahead fp8's block ids are loaded for the per-token scales (paged_decode_attention's
+# scale_lead). Nsight Compute on the H200 (B=256, 16K tail, lead 1): 8% of the fp8 kernel's stall samples sit
+# on the scales' block-id load, which the scale loads wait on in the same iteration.
+SCALE_LEAD = {"16bit": 1, "fp8": 1}
+# fp8 widening in the swapped kernel (paged_decode_attention's fast_deq): 0 F2FP conversions for K and V, 1 V by
+# integer ops (paged_common.E4M3_TO_F16_X2M8), 2 K and V by integer ops, 3 timing ablation (byte permutes only).
+FAST_DEQ = 0
 FP8_DECODE_MAXNREG = 168  # registers per thread of the fp8 decode kernel: three programs per SM (decode_config)
 
 
@@ -69,16 +77,21 @@ def _tile_range(seq_len, window, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr
 
 
 @triton.jit
-def _tile_scales(t, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss, stride_sh, offs_n,
-                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
-                 SCALE_CONTIG: tl.constexpr):  # fmt: skip
-    """fp8: key tile ``t``'s per-token K and V scales ([BLOCK_N] fp32; 0 past ``seq_len``), loaded a
-    tile ahead by the caller (Triton pipelines the K/V copies, not these small loads, and the scores
-    need them right after the first dot). Non-fp8: dummies."""
+def _tile_blocks(t, bt_row, seq_len, offs_n, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tile ``t``'s block ids, one per key ([BLOCK_N] int64; 0 past ``seq_len``)."""
+    pos = t * BLOCK_N + offs_n
+    return tl.load(bt_row + pos // PAGE, mask=pos < seq_len, other=0).to(tl.int64)
+
+
+@triton.jit
+def _scales_at(blk, t, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss, stride_sh, offs_n,
+               PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
+               SCALE_CONTIG: tl.constexpr):  # fmt: skip
+    """fp8: key tile ``t``'s per-token K and V scales ([BLOCK_N] fp32; 0 past ``seq_len``) from its block
+    ids ``blk`` (``_tile_blocks``). Non-fp8: dummies."""
     if KV_FP8:
         pos = t * BLOCK_N + offs_n
         ok = pos < seq_len
-        blk = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
         s_off = scale_offsets(blk, pos % PAGE, kvh, stride_sb, stride_ss, stride_sh, PAGE, SCALE_CONTIG)
         k_sc = tl.load(ks_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
         v_sc = tl.load(vs_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
@@ -86,6 +99,20 @@ def _tile_scales(t, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss, 
         k_sc = tl.zeros([BLOCK_N], dtype=tl.float32)
         v_sc = k_sc
     return k_sc, v_sc
+
+
+@triton.jit
+def _tile_scales(t, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss, stride_sh, offs_n,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
+                 SCALE_CONTIG: tl.constexpr):  # fmt: skip
+    """fp8: key tile ``t``'s per-token K and V scales, its block ids loaded here (the caller loads them a
+    tile ahead: Triton pipelines the K/V copies, not these small loads, and the scores need them right
+    after the first dot). Non-fp8: dummies."""
+    blk = offs_n.to(tl.int64) * 0
+    if KV_FP8:
+        blk = _tile_blocks(t, bt_row, seq_len, offs_n, PAGE, BLOCK_N)
+    return _scales_at(blk, t, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss, stride_sh, offs_n, PAGE, BLOCK_N,
+                      KV_FP8, SCALE_CONTIG)  # fmt: skip
 
 
 @triton.jit
@@ -131,7 +158,7 @@ def _decode_tile_t(
     q_t, m_i, l_i, acc_t, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, V_TRANS: tl.constexpr,
-    DOT_PREC: tl.constexpr, TAIL: tl.constexpr,
+    DOT_PREC: tl.constexpr, TAIL: tl.constexpr, FAST_DEQ: tl.constexpr = 0,
 ):  # fmt: skip
     """``_decode_tile`` with the products swapped ("swap AB"): scores as K [BLOCK_N, D] x q^T [D, G],
     output as V^T [D, BLOCK_N] x P^T [BLOCK_N, G], so the key tile is the products' M side (a
@@ -143,7 +170,12 @@ def _decode_tile_t(
     blk = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
     slot = pos % PAGE
     off = blk * stride_kb + slot * stride_ks + kvh * stride_kh
-    k = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q_t.dtype)
+    k = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+    if FAST_DEQ >= 2:  # K widened by integer ops to value x 2^-8: the 2^8 joins the scale
+        k = e4m3_to_f16_x2m8(k, FAST_DEQ == 3)
+        qk_scale = qk_scale * 256.0
+    else:
+        k = k.to(q_t.dtype)
     s = tl.dot(k, q_t, input_precision=DOT_PREC)  # [BLOCK_N, G]
     if KV_FP8:
         s = s * (k_sc * qk_scale)[:, None]
@@ -156,7 +188,12 @@ def _decode_tile_t(
     l_i = l_i * alpha + tl.sum(p, 0)
     v = load_v_tile(v_ptr, blk, slot, pos, seq_len, kvh, ok, offs_d, stride_vb, stride_vs, stride_vh, stride_vd,
                     PAGE, V_TRANS, TAIL)  # fmt: skip
-    v = v.to(q_t.dtype)
+    v_gain = 1.0
+    if FAST_DEQ >= 1:
+        v = e4m3_to_f16_x2m8(v, FAST_DEQ == 3)
+        v_gain = 256.0
+    else:
+        v = v.to(q_t.dtype)
     if V_TRANS:
         if TAIL:
             v = tl.where(ok[None, :], v, 0.0)
@@ -165,7 +202,7 @@ def _decode_tile_t(
     if KV_FP8:
         v_top = tl.maximum(tl.max(v_sc, 0), 1.0e-30)
         pv = (p * (v_sc * (1.0 / v_top))[:, None]).to(q_t.dtype)
-        acc_t = acc_t * alpha[None, :] + tl.dot(v, pv, input_precision=DOT_PREC) * v_top
+        acc_t = acc_t * alpha[None, :] + tl.dot(v, pv, input_precision=DOT_PREC) * (v_top * v_gain)
     else:
         acc_t = acc_t * alpha[None, :] + tl.dot(v, p.to(q_t.dtype), input_precision=DOT_PREC)
     return m_new, l_i, acc_t
@@ -209,7 +246,8 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, FIXED_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
     V_TRANS: tl.constexpr, SCALE_CONTIG: tl.constexpr, DOT16: tl.constexpr, DOT_PREC: tl.constexpr,
-    SCAN_N: tl.constexpr, FUSED_MERGE: tl.constexpr, SWAP_AB: tl.constexpr,
+    SCAN_N: tl.constexpr, FUSED_MERGE: tl.constexpr, SWAP_AB: tl.constexpr, SCALE_LEAD: tl.constexpr,
+    FAST_DEQ: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -273,27 +311,41 @@ def _decode_split_kernel(
     if SWAP_AB:
         q_t = tl.trans(q)
         acc_t = tl.zeros([HEAD_DIM, G_PAD], dtype=tl.float32)
+        blk_ahead = _tile_blocks(t0 + 1, bt_row, seq_len, offs_n, PAGE, BLOCK_N)
         for t in range(t0, full):
-            k_next, v_next = _tile_scales(t + 1, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
-                                          stride_sh, offs_n, PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
+            if SCALE_LEAD == 2:  # ids two tiles ahead, scales one: no load waits on another
+                blk_next = blk_ahead
+                blk_ahead = _tile_blocks(t + 2, bt_row, seq_len, offs_n, PAGE, BLOCK_N)
+                k_next, v_next = _scales_at(blk_next, t + 1, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
+                                            stride_sh, offs_n, PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
+            else:
+                k_next, v_next = _tile_scales(t + 1, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
+                                              stride_sh, offs_n, PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
             m_i, l_i, acc_t = _decode_tile_t(
                 q_t, m_i, l_i, acc_t, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
-                PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, False,
+                PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, False, FAST_DEQ,
             )  # fmt: skip
             k_sc, v_sc = k_next, v_next
         for t in range(full, t1):  # at most one: the tile holding the sequence's end
             m_i, l_i, acc_t = _decode_tile_t(
                 q_t, m_i, l_i, acc_t, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
-                PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, True,
+                PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, True, FAST_DEQ,
             )  # fmt: skip
         acc = tl.trans(acc_t)
     else:
         acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
+        blk_ahead = _tile_blocks(t0 + 1, bt_row, seq_len, offs_n, PAGE, BLOCK_N)
         for t in range(t0, full):
-            k_next, v_next = _tile_scales(t + 1, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
-                                          stride_sh, offs_n, PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
+            if SCALE_LEAD == 2:  # ids two tiles ahead, scales one: no load waits on another
+                blk_next = blk_ahead
+                blk_ahead = _tile_blocks(t + 2, bt_row, seq_len, offs_n, PAGE, BLOCK_N)
+                k_next, v_next = _scales_at(blk_next, t + 1, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
+                                            stride_sh, offs_n, PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
+            else:
+                k_next, v_next = _tile_scales(t + 1, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
+                                              stride_sh, offs_n, PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
             m_i, l_i, acc = _decode_tile(
                 q, m_i, l_i, acc, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
@@ -411,6 +463,8 @@ def paged_decode_attention(
     min_chunk: int = MIN_CHUNK_TILES,
     fused_merge: bool = False,
     swap_ab: bool | None = None,
+    scale_lead: int | None = None,
+    fast_deq: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (q: [B, Hq, D]) over its ``seq_lens[i]`` cached tokens.
 
@@ -422,7 +476,10 @@ def paged_decode_attention(
     atomic counter per sequence and kv head) instead of a second kernel (opt-in until timed on the
     H200: bench/kernels_bench.py --compare-legacy). ``swap_ab``: the products with the key tile as the
     tensor cores' M side (``_decode_tile_t``); None = ``SWAP_AB`` for the cache's dtype (bench/kernels_bench.py
-    --swap-ab times both). Returns ``out`` ([B, Hq, D], q's dtype).
+    --swap-ab times both). ``scale_lead``: how many key tiles ahead fp8's block ids are loaded for the
+    scales (1: the ids and the scales of the next tile in the same iteration; 2: ids two tiles ahead, so
+    no load waits on another); None = ``SCALE_LEAD`` for the cache's dtype. Returns ``out`` ([B, Hq, D],
+    q's dtype).
     """
     check_paged_inputs(q, kv_cache, block_tables, kv_scales)
     window = check_window(sliding_window)
@@ -446,8 +503,17 @@ def paged_decode_attention(
         raise ValueError(f"split_target and min_chunk must be >= 1; got {split_target}, {min_chunk}")
     group = hq // hkv
     ptrs, strides, consts = kv_args(kv_cache, kv_scales, q)
+    kind = "fp8" if consts["KV_FP8"] else "16bit"
     if swap_ab is None:
-        swap_ab = SWAP_AB["fp8" if consts["KV_FP8"] else "16bit"]
+        swap_ab = SWAP_AB[kind]
+    if scale_lead is None:
+        scale_lead = SCALE_LEAD[kind]
+    if scale_lead not in (1, 2):
+        raise ValueError(f"scale_lead must be 1 or 2; got {scale_lead}")
+    if fast_deq is None:  # integer-op widening: fp8 on the GPU with 16-bit products (no inline PTX on the CPU)
+        fast_deq = FAST_DEQ if consts.get("DOT16") and swap_ab and q.is_cuda else 0
+    if fast_deq not in (0, 1, 2, 3) or (fast_deq and not (consts.get("DOT16") and swap_ab)):
+        raise ValueError(f"fast_deq must be 0, or 1-3 with fp8 KV, 16-bit q and swap_ab; got {fast_deq}")
     g_pad = max(8 if swap_ab else 16, triton.next_power_of_2(group))  # a dot's N may be 8, its M 16 at least
     block_n, warps, stages, *maxnreg = decode_config(page, d, ptrs[0].dtype)
     launch = dict(num_warps=warps, num_stages=stages)
@@ -467,7 +533,8 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         GROUP=group, G_PAD=g_pad, HEAD_DIM=d, PAGE=page,
         BLOCK_N=block_n, FIXED_SPLITS=num_splits or 0, USE_WINDOW=window > 0, **consts,
-        DOT_PREC=dot_precision(q), SCAN_N=SCAN, FUSED_MERGE=fused_merge, SWAP_AB=swap_ab, **launch,
+        DOT_PREC=dot_precision(q), SCAN_N=SCAN, FUSED_MERGE=fused_merge, SWAP_AB=swap_ab,
+        SCALE_LEAD=scale_lead, FAST_DEQ=fast_deq, **launch,
     )  # fmt: skip
     if num_splits != 1 and not fused_merge:
         _decode_reduce_kernel[(batch, hq)](

@@ -1,0 +1,117 @@
+"""Where one decode step's GPU time goes, per kernel, for each KV cache dtype (issue 23: FP8 KV that pays).
+
+Builds the engine on a random-init model of a real shape, B sequences whose contexts are W2-like (log-uniform
+from 512 to --ctx tokens, the longest always present; ``bench/kernels_bench.py``'s ``long_tail_lens``), and
+runs ``generate`` twice under ``torch.profiler``: ``max_tokens=1`` (the prefill and its sampled token) and
+``max_tokens=1 + --steps`` (the same plus ``--steps`` decode steps of the whole batch, as CUDA graph replays).
+The difference per kernel name over ``--steps`` is one decode step's kernel time: attention, GEMMs, the KV
+store, norms, sampling. One JSON line per dtype, then a side-by-side table.
+
+    python bench/step_profile.py --kv auto,fp8 --out $OUT/step_profile.jsonl      # qwen2.5-1.5b, B=256, 16K tail
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.kernels_bench import long_tail_lens  # noqa: E402
+from bench.score_bench import load_bench_script  # noqa: E402
+from rollout import Engine, SamplingParams  # noqa: E402
+
+CLASSES = (("attn_decode", ("_decode_split", "_decode_reduce")), ("kv_store", ("store", "quant", "reshape_and_cache")),
+           ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "ampere", "splitk", "cublas")),
+           ("sampler", ("sample", "gumbel", "argmax", "softmax", "topk", "logsumexp")),
+           ("norm_rope_act", ("rms", "norm", "rotary", "rope", "silu", "act_and_mul")))  # fmt: skip
+
+
+def kernel_times(fn) -> tuple[dict[str, float], float]:
+    """Per-kernel device time (us) of one call of ``fn``, and its wall time (s)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    times: dict[str, float] = collections.Counter()
+    for e in prof.key_averages():
+        if e.device_time_total > 0:
+            times[e.key] += e.device_time_total
+    return times, wall
+
+
+def classify(name: str) -> str:
+    low = name.lower()
+    for cls, keys in CLASSES:
+        if any(k in low for k in keys):
+            return cls
+    return "other"
+
+
+def profile_kv(hf, prompts: list[list[int]], kv: str, args) -> dict[str, float]:
+    """One decode step's device time per kernel name (us), with ``kv_cache_dtype=kv``."""
+    engine = Engine.from_pretrained(hf, dtype="bfloat16", max_model_len=args.ctx + args.steps + 16,
+                                    enable_prefix_caching=False, max_num_seqs=args.batch, kv_cache_dtype=kv)
+    short = SamplingParams(temperature=1.0, seed=1, max_tokens=1, ignore_eos=True)
+    long = SamplingParams(temperature=1.0, seed=1, max_tokens=1 + args.steps, ignore_eos=True)
+    engine.generate([q[:600] for q in prompts[:8]], long)  # compile, capture, settle
+    base, _ = kernel_times(lambda: engine.generate(prompts, short))
+    full, _ = kernel_times(lambda: engine.generate(prompts, long))
+    return {k: (full.get(k, 0.0) - base.get(k, 0.0)) / args.steps for k in full}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="qwen2.5-1.5b")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--ctx", type=int, default=16384, help="longest context; the others log-uniform from 512")
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--kv", default="auto,fp8", help="comma list of kv_cache_dtype values")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("step_profile.py needs a CUDA GPU")
+    bench = load_bench_script()
+    hf = bench.build_hf(args.preset)
+    vocab = hf.config.vocab_size
+    lens = long_tail_lens(args.batch, args.ctx, seed=args.batch)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, vocab - 100, (n,), generator=gen).tolist() for n in lens]
+    rows = {}
+    for kv in args.kv.split(","):
+        step = profile_kv(hf, prompts, kv, args)
+        by_class: dict[str, float] = collections.Counter()
+        for k, us in step.items():
+            by_class[classify(k)] += us
+        top = sorted(step.items(), key=lambda kv: -kv[1])[:14]
+        rec = dict(bench="step_profile", preset=args.preset, kv_cache_dtype=kv, batch=args.batch,
+                   mean_ctx=round(sum(lens) / len(lens)), steps=args.steps, commit=bench._commit(),
+                   step_kernel_ms=round(sum(step.values()) / 1e3, 3),
+                   by_class_ms={k: round(v / 1e3, 3) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
+                   top_ms=[(k[:90], round(v / 1e3, 4)) for k, v in top])  # fmt: skip
+        rows[kv] = rec
+        print(json.dumps(rec), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        torch.cuda.empty_cache()
+    classes = sorted({c for r in rows.values() for c in r["by_class_ms"]})
+    print("class".ljust(16) + "".join(k.rjust(12) for k in rows))
+    for c in classes + ["step_kernel_ms"]:
+        vals = [r["by_class_ms"].get(c, 0.0) if c != "step_kernel_ms" else r[c] for r in rows.values()]
+        print(c.ljust(16) + "".join(f"{v:12.3f}" for v in vals))
+
+
+if __name__ == "__main__":
+    main()
