@@ -42,7 +42,7 @@ class _Captured(Exception):
 
 
 def capture_launch(kv: str, hq: int, hkv: int, d: int, page: int, batch: int, swap_ab: bool | None,
-                   scale_lead: int | None = None, config: tuple | None = None, fast_deq: int | None = None) -> dict:
+                   config: tuple | None = None) -> dict:
     """The positional arguments and keywords ``paged_decode_attention`` passes to the split kernel."""
     import rollout.kernels.paged_decode as pd
     from rollout.layers.kv_quant import fp8_block_bytes, fp8_views
@@ -70,8 +70,7 @@ def capture_launch(kv: str, hq: int, hkv: int, d: int, page: int, batch: int, sw
     if config:
         pd.decode_config = lambda *_: config if len(config) == 4 else (*config, None)
     try:
-        pd.paged_decode_attention(q, cache, tables, lens, 0.1, kv_scales=scales, swap_ab=swap_ab,
-                                  scale_lead=scale_lead, fast_deq=fast_deq)
+        pd.paged_decode_attention(q, cache, tables, lens, 0.1, kv_scales=scales, swap_ab=swap_ab)
     except _Captured:
         pass
     finally:
@@ -167,10 +166,10 @@ def mma_loops(instrs: list[tuple[int, str, str]]) -> list[dict]:
 
 
 def report(kv: str, swap_ab: bool | None, hq: int, hkv: int, d: int, page: int, batch: int,
-           scale_lead: int | None = None, config: tuple | None = None, fast_deq: int | None = None) -> dict:
+           config: tuple | None = None) -> dict:
     import triton
 
-    launch = capture_launch(kv, hq, hkv, d, page, batch, swap_ab, scale_lead, config, fast_deq)
+    launch = capture_launch(kv, hq, hkv, d, page, batch, swap_ab, config)
     kernel = compile_sm90(launch)
     kw = launch["kw"]
     instrs = disassemble(kernel)
@@ -180,7 +179,7 @@ def report(kv: str, swap_ab: bool | None, hq: int, hkv: int, d: int, page: int, 
     main = loops[0] if loops else None
     return {
         "bench": "kernel_sass", "triton": triton.__version__, "target": "sm_90", "kv": kv, "swap_ab": kw["SWAP_AB"],
-        "scale_lead": kw["SCALE_LEAD"], "fast_deq": kw["FAST_DEQ"],
+
         "hq": hq, "hkv": hkv, "head_dim": d, "page": page, "block_n": kw["BLOCK_N"], "G_PAD": kw["G_PAD"],
         "num_warps": kw.get("num_warps"), "num_stages": kw.get("num_stages"), "maxnreg": kw.get("maxnreg"),
         "shared_bytes": kernel.metadata.shared, "registers": regs,
@@ -201,8 +200,6 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page", type=int, default=16)
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--scale-lead", default="default", help="comma list of 1, 2, default (the kernel's SCALE_LEAD)")
-    p.add_argument("--fast-deq", type=int, default=None, help="fp8 widening: 0 F2FP, 1 V by integer ops, 2 K and V")
     p.add_argument("--config", default=None, help="BLOCK_N,num_warps,num_stages[,maxnreg]: the tile to compile")
     p.add_argument("--out", default=None, help="append the JSON lines to this file")
     args = p.parse_args()
@@ -210,15 +207,13 @@ def main() -> None:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     for kv in args.kv.split(","):
         for s in args.swap_ab.split(","):
-            for lead in args.scale_lead.split(","):
-                swap = None if s == "default" else bool(int(s))
-                rec = report(kv, swap, args.hq, args.hkv, args.head_dim, args.page, args.batch,
-                             None if lead == "default" else int(lead), config, args.fast_deq)
-                line = json.dumps(rec)
-                print(line, flush=True)
-                if args.out:
-                    with open(args.out, "a") as f:
-                        f.write(line + "\n")
+            swap = None if s == "default" else bool(int(s))
+            rec = report(kv, swap, args.hq, args.hkv, args.head_dim, args.page, args.batch, config)
+            line = json.dumps(rec)
+            print(line, flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(line + "\n")
 
 
 if __name__ == "__main__":

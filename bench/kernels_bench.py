@@ -96,11 +96,14 @@ DECODE_CONFIGS = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 2, 168), (128, 4
 SWAP_CONFIGS = [(64, 4, 2), (128, 4, 3), (64, 2, 2), (64, 2, 2, 144), (64, 2, 3, 168), (32, 1, 2), (128, 4, 1, 168),
                 (128, 4, 2, 144)]
 
-# --sweep-fp8 (issue 23.1): the swapped fp8 kernel's tiles, each with the scales' block ids one and two tiles
-# ahead. H200 at this list's first timing (bench/results/h200_2026-12-03_kernels_fp8_sweep.jsonl, B=256, 16K
-# tail): (64, 2, 3, 168) 0.233 ms, the previous default (128, 4, 2, 168) 0.256, bf16 0.303.
-FP8_CONFIGS = [(128, 4, 2, 168), (64, 2, 3, 168), (64, 2, 4, 168), (64, 2, 3, 128), (64, 2, 3), (64, 1, 3),
-               (32, 1, 3), (32, 1, 4), (64, 4, 3, 168), (128, 4, 3, 128)]
+# --sweep-fp8 (issue 23.1): the swapped fp8 kernel's tiles (the default first). H200, B=256 / 512, 16K tail
+# (bench/results/h200_2026-12-03_kernels_fp8_sweep_c6fd372.jsonl): (64, 2, 3, 168) 0.234 / 0.477 ms, (64, 2, 4, 168)
+# 0.234 / 0.476, (32, 1, 3) 0.241 / 0.480, the previous default (128, 4, 2, 168) 0.257 / 0.500; bf16 0.307 / 0.613.
+# The same sweep found no gain in loading the scales' block ids two tiles ahead (Nsight Compute had put 8% of the
+# stall samples there) nor in widening e4m3 by integer ops instead of F2FP (even a timing-only stand-in of two byte
+# permutes per four values ran no faster: 0.237 ms), so neither is kept.
+FP8_CONFIGS = [(64, 2, 3, 168), (64, 2, 4, 168), (128, 4, 2, 168), (64, 2, 3, 128), (64, 1, 3), (32, 1, 3),
+               (32, 1, 4), (128, 4, 3, 128)]
 
 
 def decode_variants(args, batch: int, hkv: int, max_tiles: int, kv: str = "bf16") -> list[dict]:
@@ -110,7 +113,9 @@ def decode_variants(args, batch: int, hkv: int, max_tiles: int, kv: str = "bf16"
     from rollout.kernels.paged_decode import choose_num_splits, choose_split_target, num_sms
 
     sms = num_sms(torch.device("cuda"))
-    out = [dict(variant="balanced")]
+    # "planned": the partition made once (as the engine does per step for all its layers), then only the split
+    # kernel timed; "balanced": every call's programs partition for themselves
+    out = [dict(variant="balanced"), dict(variant="planned", plan=True)]
     if args.compare_legacy:
         out.append(dict(variant="legacy", num_splits=choose_num_splits(batch, hkv, max_tiles, sms)))
         out.append(dict(variant="fused", fused_merge=True))  # balanced, the merge in the split kernel
@@ -119,13 +124,10 @@ def decode_variants(args, batch: int, hkv: int, max_tiles: int, kv: str = "bf16"
     if args.swap_ab:  # the products swapped (key tile as M): default tile, then a few others
         out.append(dict(variant="swap", swap_ab=True))
         out += [dict(variant="swap", swap_ab=True, config=c) for c in SWAP_CONFIGS]
-    if getattr(args, "sweep_fp8", False) and kv == "fp8":  # issue 23.1: swapped fp8 tiles x scale lead x waves
-        for c in FP8_CONFIGS:
-            out += [dict(variant="fp8", swap_ab=True, scale_lead=lead, config=c) for lead in (1, 2)]
-        best = FP8_CONFIGS[1]
-        out += [dict(variant="fp8_deq", swap_ab=True, scale_lead=2, config=best, fast_deq=f) for f in (1, 2, 3)]
-        out += [dict(variant="fp8_waves", swap_ab=True, scale_lead=2, config=best,
-                     split_target=choose_split_target(hkv, sms, w)) for w in (2, 6, 8, 12)]
+    if getattr(args, "sweep_fp8", False) and kv == "fp8":  # issue 23.1: the swapped fp8 kernel's tiles and waves
+        out += [dict(variant="fp8", swap_ab=True, config=c) for c in FP8_CONFIGS]
+        out += [dict(variant="fp8_waves", swap_ab=True, config=FP8_CONFIGS[0], split_target=choose_split_target(
+            hkv, sms, w)) for w in (2, 6, 8, 12)]  # fmt: skip
     if args.sweep_decode:
         out += [dict(variant="waves", split_target=choose_split_target(hkv, sms, w)) for w in (1, 2, 8, 16)]
         out += [dict(variant="config", config=c) for c in DECODE_CONFIGS]
@@ -150,14 +152,15 @@ def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: to
     default_config = pd.decode_config
     recs = []
     for var in decode_variants(args, batch, hkv, max_tiles, kv):
-        keys = ("num_splits", "split_target", "fused_merge", "swap_ab", "scale_lead", "fast_deq")
+        keys = ("num_splits", "split_target", "fused_merge", "swap_ab")
         kw = {k: var[k] for k in keys if k in var}
+        planned = var.get("plan", False)
         if "config" in var:
             pd.decode_config = lambda *_, c=var["config"]: c  # bench-only override of the tile choice
         try:
             calls = [
-                lambda x=x, kw=kw: pd.paged_decode_attention(
-                    x[0], x[1], x[2], x[3], d**-0.5, out=x[4], kv_scales=x[5], **kw
+                lambda x=x, kw=kw, p=({} if planned else None): pd.paged_decode_attention(  # a plan per input
+                    x[0], x[1], x[2], x[3], d**-0.5, out=x[4], kv_scales=x[5], plans=p, **kw
                 )
                 for x in inputs
             ]
@@ -325,7 +328,7 @@ def main() -> None:
     parser.add_argument("--swap-ab", action="store_true",
                         help="also time the decode kernel with its products swapped (key tile as the M side)")
     parser.add_argument("--sweep-fp8", action="store_true",
-                        help="also time the swapped fp8 kernel's tiles x scale lead (1, 2) x waves (issue 23.1)")
+                        help="also time the swapped fp8 kernel's tiles and wave counts (issue 23.1)")
     parser.add_argument("--sweep-decode", action="store_true", help="also time decode tile configs and wave counts")
     parser.add_argument("--lengths", choices=["uniform", "long-tail"], default="uniform",
                         help="every context ctx tokens, or W2-like log-uniform in [512, ctx]")

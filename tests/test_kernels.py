@@ -220,6 +220,53 @@ def check_backend_mixed_decode_rows(window=None):
     assert_close(out, ref, 1e-4)
 
 
+def check_decode_planned():
+    """A step's plan (``plans``): made by the first call, reused by a second with the same tile and window (the
+    plan kernel runs once), a new one for another window or another lengths tensor; every output is exact."""
+    import rollout.kernels.paged_decode as pd
+
+    lens = long_tail(24, 2000, 1)
+    q, cache, meta = scenario([1] * len(lens), lens, 4, 2, 16, 16)
+    launches, plan_kernel = [], pd._decode_plan_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return plan_kernel[grid]
+
+    pd._decode_plan_kernel = Counted()
+    try:
+        plans: dict = {}
+        kw = dict(split_target=24, min_chunk=1, plans=plans)
+        for window in (None, None, 150):
+            out = pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, window, **kw)
+            assert_close(out, reference_attention(q, cache, meta, SCALE, window), 1e-4)
+        assert len(launches) == 2 and len(plans) == 2, (launches, list(plans))  # one per window
+        other = meta.seq_lens.flip(0).contiguous()  # same dict, other lengths: planned anew, not stale
+        meta.seq_lens, meta.block_tables = other, meta.block_tables.flip(0).contiguous()
+        out = pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, **kw)
+        assert_close(out, reference_attention(q, cache, meta, SCALE), 1e-4)
+        assert len(launches) == 3
+    finally:
+        pd._decode_plan_kernel = plan_kernel
+
+
+def check_backend_decode_plans():
+    """The backend plans a decode step once: two layers' forwards on one step's metadata share one plan."""
+    from rollout.layers.triton_backend import TritonAttentionBackend
+
+    q, cache, meta = scenario([1, 1, 1, 1], [4, 170, 33, 900], 4, 2, 16, 8)
+    gen = torch.Generator().manual_seed(2)
+    k, v = torch.randn(q.shape[0], 2, 16, generator=gen), torch.randn(q.shape[0], 2, 16, generator=gen)
+    ref_cache = cache.clone()
+    ref = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, SCALE)
+    backend = TritonAttentionBackend()
+    for _ in range(2):
+        out = backend.forward(q, k, v, cache, meta, SCALE)
+        assert_close(out, ref, 1e-4)
+    assert len(meta.decode_plans) == 1, list(meta.decode_plans)
+
+
 def check_num_splits():
     from rollout.kernels.paged_decode import choose_num_splits
 
@@ -290,6 +337,8 @@ CHECKS = {
     "decode_fused_merge_window": lambda: check_decode(4, 2, 16, 8, [1, 19, 20, 21, 900], window=150,
                                                       split_target=6, min_chunk=1, fused_merge=True),
     "decode_many_seqs_small_scan": check_decode_many_seqs_small_scan,
+    "decode_planned": check_decode_planned,
+    "backend_decode_plans": check_backend_decode_plans,
     "decode_empty_seq_strided_q_out": check_decode_empty_and_strided,
     "prefill_mixed_cached_prefix": lambda: check_prefill(
         [1, 17, 5, 40, 3], [9, 17, 70, 100, 3], 4, 2, 32, 16

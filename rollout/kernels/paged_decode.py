@@ -35,7 +35,6 @@ from rollout.kernels.paged_common import (  # noqa: F401 - re-exported for calle
     check_paged_inputs,
     check_window,
     dot_precision,
-    e4m3_to_f16_x2m8,
     is_fp8,
     kv_args,
     kv_shape,
@@ -57,14 +56,7 @@ S_BLOCK = 16  # partials merged per step of the reduce loop
 # H200, qwen2.5-1.5b, long-tail to 16K (bench/results/h200_2026-12-02_kernels_swap_ab.jsonl): fp8 1.07-1.08x
 # faster swapped (B=256: 0.258 vs 0.279 ms), bf16 1.01-1.04x slower, so only fp8 swaps.
 SWAP_AB = {"16bit": False, "fp8": True}
-# How many key tiles ahead fp8's block ids are loaded for the per-token scales (paged_decode_attention's
-# scale_lead). Nsight Compute on the H200 (B=256, 16K tail, lead 1): 8% of the fp8 kernel's stall samples sit
-# on the scales' block-id load, which the scale loads wait on in the same iteration.
-SCALE_LEAD = {"16bit": 1, "fp8": 1}
-# fp8 widening in the swapped kernel (paged_decode_attention's fast_deq): 0 F2FP conversions for K and V, 1 V by
-# integer ops (paged_common.E4M3_TO_F16_X2M8), 2 K and V by integer ops, 3 timing ablation (byte permutes only).
-FAST_DEQ = 0
-FP8_DECODE_MAXNREG = 168  # registers per thread of the fp8 decode kernel: three programs per SM (decode_config)
+FP8_DECODE_MAXNREG = 168  # registers per thread of the fp8 decode kernel (decode_config)
 
 
 @triton.jit
@@ -77,21 +69,16 @@ def _tile_range(seq_len, window, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr
 
 
 @triton.jit
-def _tile_blocks(t, bt_row, seq_len, offs_n, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key tile ``t``'s block ids, one per key ([BLOCK_N] int64; 0 past ``seq_len``)."""
-    pos = t * BLOCK_N + offs_n
-    return tl.load(bt_row + pos // PAGE, mask=pos < seq_len, other=0).to(tl.int64)
-
-
-@triton.jit
-def _scales_at(blk, t, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss, stride_sh, offs_n,
-               PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
-               SCALE_CONTIG: tl.constexpr):  # fmt: skip
-    """fp8: key tile ``t``'s per-token K and V scales ([BLOCK_N] fp32; 0 past ``seq_len``) from its block
-    ids ``blk`` (``_tile_blocks``). Non-fp8: dummies."""
+def _tile_scales(t, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss, stride_sh, offs_n,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
+                 SCALE_CONTIG: tl.constexpr):  # fmt: skip
+    """fp8: key tile ``t``'s per-token K and V scales ([BLOCK_N] fp32; 0 past ``seq_len``), loaded a
+    tile ahead by the caller (Triton pipelines the K/V copies, not these small loads, and the scores
+    need them right after the first dot). Non-fp8: dummies."""
     if KV_FP8:
         pos = t * BLOCK_N + offs_n
         ok = pos < seq_len
+        blk = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
         s_off = scale_offsets(blk, pos % PAGE, kvh, stride_sb, stride_ss, stride_sh, PAGE, SCALE_CONTIG)
         k_sc = tl.load(ks_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
         v_sc = tl.load(vs_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
@@ -99,20 +86,6 @@ def _scales_at(blk, t, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss, strid
         k_sc = tl.zeros([BLOCK_N], dtype=tl.float32)
         v_sc = k_sc
     return k_sc, v_sc
-
-
-@triton.jit
-def _tile_scales(t, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss, stride_sh, offs_n,
-                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
-                 SCALE_CONTIG: tl.constexpr):  # fmt: skip
-    """fp8: key tile ``t``'s per-token K and V scales, its block ids loaded here (the caller loads them a
-    tile ahead: Triton pipelines the K/V copies, not these small loads, and the scores need them right
-    after the first dot). Non-fp8: dummies."""
-    blk = offs_n.to(tl.int64) * 0
-    if KV_FP8:
-        blk = _tile_blocks(t, bt_row, seq_len, offs_n, PAGE, BLOCK_N)
-    return _scales_at(blk, t, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss, stride_sh, offs_n, PAGE, BLOCK_N,
-                      KV_FP8, SCALE_CONTIG)  # fmt: skip
 
 
 @triton.jit
@@ -158,7 +131,7 @@ def _decode_tile_t(
     q_t, m_i, l_i, acc_t, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, V_TRANS: tl.constexpr,
-    DOT_PREC: tl.constexpr, TAIL: tl.constexpr, FAST_DEQ: tl.constexpr = 0,
+    DOT_PREC: tl.constexpr, TAIL: tl.constexpr,
 ):  # fmt: skip
     """``_decode_tile`` with the products swapped ("swap AB"): scores as K [BLOCK_N, D] x q^T [D, G],
     output as V^T [D, BLOCK_N] x P^T [BLOCK_N, G], so the key tile is the products' M side (a
@@ -170,12 +143,7 @@ def _decode_tile_t(
     blk = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
     slot = pos % PAGE
     off = blk * stride_kb + slot * stride_ks + kvh * stride_kh
-    k = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
-    if FAST_DEQ >= 2:  # K widened by integer ops to value x 2^-8: the 2^8 joins the scale
-        k = e4m3_to_f16_x2m8(k, FAST_DEQ == 3)
-        qk_scale = qk_scale * 256.0
-    else:
-        k = k.to(q_t.dtype)
+    k = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q_t.dtype)
     s = tl.dot(k, q_t, input_precision=DOT_PREC)  # [BLOCK_N, G]
     if KV_FP8:
         s = s * (k_sc * qk_scale)[:, None]
@@ -188,12 +156,7 @@ def _decode_tile_t(
     l_i = l_i * alpha + tl.sum(p, 0)
     v = load_v_tile(v_ptr, blk, slot, pos, seq_len, kvh, ok, offs_d, stride_vb, stride_vs, stride_vh, stride_vd,
                     PAGE, V_TRANS, TAIL)  # fmt: skip
-    v_gain = 1.0
-    if FAST_DEQ >= 1:
-        v = e4m3_to_f16_x2m8(v, FAST_DEQ == 3)
-        v_gain = 256.0
-    else:
-        v = v.to(q_t.dtype)
+    v = v.to(q_t.dtype)
     if V_TRANS:
         if TAIL:
             v = tl.where(ok[None, :], v, 0.0)
@@ -202,7 +165,7 @@ def _decode_tile_t(
     if KV_FP8:
         v_top = tl.maximum(tl.max(v_sc, 0), 1.0e-30)
         pv = (p * (v_sc * (1.0 / v_top))[:, None]).to(q_t.dtype)
-        acc_t = acc_t * alpha[None, :] + tl.dot(v, pv, input_precision=DOT_PREC) * (v_top * v_gain)
+        acc_t = acc_t * alpha[None, :] + tl.dot(v, pv, input_precision=DOT_PREC) * v_top
     else:
         acc_t = acc_t * alpha[None, :] + tl.dot(v, p.to(q_t.dtype), input_precision=DOT_PREC)
     return m_new, l_i, acc_t
@@ -234,9 +197,61 @@ def _merge_chunks(part_o_ptr, part_lse_ptr, out_ptr, first, n, b, heads, g_ok, o
 
 
 @triton.jit
+def _find_chunk(pid, seq_lens_ptr, window, batch, split_target, min_chunk, BLOCK_N: tl.constexpr,
+                USE_WINDOW: tl.constexpr, SCAN_N: tl.constexpr):  # fmt: skip
+    """Program ``pid``'s chunk of the balanced partition: (sequence b, its first program, its chunk count n, its
+    length); n == 0 when there are more programs than chunks. Two passes over ``seq_lens``: the chunk size
+    ``c = max(ceil(total live tiles / split_target), min_chunk)``, then the sequence whose run of chunks holds pid."""
+    offs = tl.arange(0, SCAN_N)
+    total = 0
+    for i in range(0, batch, SCAN_N):
+        lens = tl.load(seq_lens_ptr + i + offs, mask=i + offs < batch, other=0)
+        lo_v, hi_v = _tile_range(lens, window, BLOCK_N, USE_WINDOW)
+        total += tl.sum(hi_v - lo_v, 0)
+    chunk = tl.maximum((total + split_target - 1) // split_target, min_chunk)
+    # This program's sequence: the one whose run of chunks [cum - n_b, cum) contains pid.
+    base = 0
+    b = 0
+    first = 0
+    n = 0
+    seq_len = 0
+    for i in range(0, batch, SCAN_N):
+        ok = i + offs < batch
+        lens = tl.load(seq_lens_ptr + i + offs, mask=ok, other=0)
+        lo_v, hi_v = _tile_range(lens, window, BLOCK_N, USE_WINDOW)
+        n_v = tl.where(ok, tl.maximum((hi_v - lo_v + chunk - 1) // chunk, 1), 0)
+        cum = tl.cumsum(n_v, 0) + base
+        hit = ok & (cum > pid) & (cum - n_v <= pid)
+        b += tl.sum(tl.where(hit, i + offs, 0), 0)
+        first += tl.sum(tl.where(hit, cum - n_v, 0), 0)
+        n += tl.sum(tl.where(hit, n_v, 0), 0)
+        seq_len += tl.sum(tl.where(hit, lens, 0), 0)
+        base += tl.sum(n_v, 0)
+    return b, first, n, seq_len
+
+
+@triton.jit
+def _decode_plan_kernel(seq_lens_ptr, plan_ptr, seq_info_ptr, window, batch, split_target, min_chunk,
+                        BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, SCAN_N: tl.constexpr):  # fmt: skip
+    """The balanced partition of one step, once for every layer that shares its lengths, tile and window:
+    ``plan[pid] = (b, first, n, seq_len)`` per program (``_find_chunk``), and the merge's ``seq_info[b] =
+    (first, n)``. Without it every program of every layer's split kernel redoes the two passes."""
+    pid = tl.program_id(0)
+    b, first, n, seq_len = _find_chunk(pid, seq_lens_ptr, window, batch, split_target, min_chunk, BLOCK_N,
+                                       USE_WINDOW, SCAN_N)  # fmt: skip
+    tl.store(plan_ptr + 4 * pid, b)
+    tl.store(plan_ptr + 4 * pid + 1, first)
+    tl.store(plan_ptr + 4 * pid + 2, n)
+    tl.store(plan_ptr + 4 * pid + 3, seq_len)
+    if (n > 0) & (pid == first):
+        tl.store(seq_info_ptr + 2 * b, first)
+        tl.store(seq_info_ptr + 2 * b + 1, n)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, seq_info_ptr,
-    counter_ptr, qk_scale, window, batch, split_target, min_chunk,
+    counter_ptr, plan_ptr, qk_scale, window, batch, split_target, min_chunk,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -246,8 +261,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, FIXED_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
     V_TRANS: tl.constexpr, SCALE_CONTIG: tl.constexpr, DOT16: tl.constexpr, DOT_PREC: tl.constexpr,
-    SCAN_N: tl.constexpr, FUSED_MERGE: tl.constexpr, SWAP_AB: tl.constexpr, SCALE_LEAD: tl.constexpr,
-    FAST_DEQ: tl.constexpr,
+    SCAN_N: tl.constexpr, FUSED_MERGE: tl.constexpr, SWAP_AB: tl.constexpr, PLANNED: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -257,31 +271,14 @@ def _decode_split_kernel(
         first = b * FIXED_SPLITS
         seq_len = tl.load(seq_lens_ptr + b)
     else:
-        offs = tl.arange(0, SCAN_N)
-        total = 0
-        for i in range(0, batch, SCAN_N):
-            lens = tl.load(seq_lens_ptr + i + offs, mask=i + offs < batch, other=0)
-            lo_v, hi_v = _tile_range(lens, window, BLOCK_N, USE_WINDOW)
-            total += tl.sum(hi_v - lo_v, 0)
-        chunk = tl.maximum((total + split_target - 1) // split_target, min_chunk)
-        # This program's sequence: the one whose run of chunks [cum - n_b, cum) contains pid.
-        base = 0
-        b = 0
-        first = 0
-        n = 0
-        seq_len = 0
-        for i in range(0, batch, SCAN_N):
-            ok = i + offs < batch
-            lens = tl.load(seq_lens_ptr + i + offs, mask=ok, other=0)
-            lo_v, hi_v = _tile_range(lens, window, BLOCK_N, USE_WINDOW)
-            n_v = tl.where(ok, tl.maximum((hi_v - lo_v + chunk - 1) // chunk, 1), 0)
-            cum = tl.cumsum(n_v, 0) + base
-            hit = ok & (cum > pid) & (cum - n_v <= pid)
-            b += tl.sum(tl.where(hit, i + offs, 0), 0)
-            first += tl.sum(tl.where(hit, cum - n_v, 0), 0)
-            n += tl.sum(tl.where(hit, n_v, 0), 0)
-            seq_len += tl.sum(tl.where(hit, lens, 0), 0)
-            base += tl.sum(n_v, 0)
+        if PLANNED:  # the step's partition, computed once (_decode_plan_kernel)
+            b = tl.load(plan_ptr + 4 * pid)
+            first = tl.load(plan_ptr + 4 * pid + 1)
+            n = tl.load(plan_ptr + 4 * pid + 2)
+            seq_len = tl.load(plan_ptr + 4 * pid + 3)
+        else:
+            b, first, n, seq_len = _find_chunk(pid, seq_lens_ptr, window, batch, split_target, min_chunk, BLOCK_N,
+                                               USE_WINDOW, SCAN_N)  # fmt: skip
         if n == 0:  # more programs than chunks this step
             return
     j = pid - first
@@ -311,41 +308,27 @@ def _decode_split_kernel(
     if SWAP_AB:
         q_t = tl.trans(q)
         acc_t = tl.zeros([HEAD_DIM, G_PAD], dtype=tl.float32)
-        blk_ahead = _tile_blocks(t0 + 1, bt_row, seq_len, offs_n, PAGE, BLOCK_N)
         for t in range(t0, full):
-            if SCALE_LEAD == 2:  # ids two tiles ahead, scales one: no load waits on another
-                blk_next = blk_ahead
-                blk_ahead = _tile_blocks(t + 2, bt_row, seq_len, offs_n, PAGE, BLOCK_N)
-                k_next, v_next = _scales_at(blk_next, t + 1, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
-                                            stride_sh, offs_n, PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
-            else:
-                k_next, v_next = _tile_scales(t + 1, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
-                                              stride_sh, offs_n, PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
+            k_next, v_next = _tile_scales(t + 1, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
+                                          stride_sh, offs_n, PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
             m_i, l_i, acc_t = _decode_tile_t(
                 q_t, m_i, l_i, acc_t, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
-                PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, False, FAST_DEQ,
+                PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, False,
             )  # fmt: skip
             k_sc, v_sc = k_next, v_next
         for t in range(full, t1):  # at most one: the tile holding the sequence's end
             m_i, l_i, acc_t = _decode_tile_t(
                 q_t, m_i, l_i, acc_t, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
-                PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, True, FAST_DEQ,
+                PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, True,
             )  # fmt: skip
         acc = tl.trans(acc_t)
     else:
         acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
-        blk_ahead = _tile_blocks(t0 + 1, bt_row, seq_len, offs_n, PAGE, BLOCK_N)
         for t in range(t0, full):
-            if SCALE_LEAD == 2:  # ids two tiles ahead, scales one: no load waits on another
-                blk_next = blk_ahead
-                blk_ahead = _tile_blocks(t + 2, bt_row, seq_len, offs_n, PAGE, BLOCK_N)
-                k_next, v_next = _scales_at(blk_next, t + 1, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
-                                            stride_sh, offs_n, PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
-            else:
-                k_next, v_next = _tile_scales(t + 1, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
-                                              stride_sh, offs_n, PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
+            k_next, v_next = _tile_scales(t + 1, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
+                                          stride_sh, offs_n, PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
             m_i, l_i, acc = _decode_tile(
                 q, m_i, l_i, acc, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
@@ -377,9 +360,10 @@ def _decode_split_kernel(
                 tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # zero again for the next call
                 _merge_chunks(part_o_ptr, part_lse_ptr, out_ptr, first, n, b, heads, g_ok, offs_d,
                               GROUP * tl.num_programs(1), stride_ot, stride_oh, HEAD_DIM, G_PAD)  # fmt: skip
-    if (j == 0) & (kvh == 0):  # where the merge finds this sequence's chunks
-        tl.store(seq_info_ptr + 2 * b, first)
-        tl.store(seq_info_ptr + 2 * b + 1, n)
+    if not PLANNED:  # (a plan wrote it once for every layer)
+        if (j == 0) & (kvh == 0):  # where the merge finds this sequence's chunks
+            tl.store(seq_info_ptr + 2 * b, first)
+            tl.store(seq_info_ptr + 2 * b + 1, n)
 
 
 @triton.jit
@@ -437,15 +421,35 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_tiles: int, sms: int) -
     return max(1, min(slots // max(1, batch * num_kv_heads), MAX_SPLITS, max_tiles))
 
 
+def decode_plan(plans: dict, seq_lens: torch.Tensor, block_n: int, window: int, split_target: int,
+                min_chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(plan [programs, 4] int32, seq_info [B, 2] int32) of the balanced partition over ``seq_lens``, from
+    ``plans`` if this step already made it for the same tile, window and target, else made now by
+    ``_decode_plan_kernel`` (one launch; inside a CUDA graph it is captured, so every replay re-plans)."""
+    key = (seq_lens.data_ptr(), seq_lens.shape[0], block_n, window, split_target, min_chunk)
+    got = plans.get(key)
+    if got is None:
+        batch = seq_lens.shape[0]
+        programs = batch + split_target
+        plan = torch.empty((programs, 4), dtype=torch.int32, device=seq_lens.device)
+        seq_info = torch.empty((batch, 2), dtype=torch.int32, device=seq_lens.device)
+        _decode_plan_kernel[(programs,)](
+            seq_lens, plan, seq_info, window, batch, split_target, min_chunk,
+            BLOCK_N=block_n, USE_WINDOW=window > 0, SCAN_N=SCAN, num_warps=4,
+        )  # fmt: skip
+        got = plans[key] = (plan, seq_info)
+    return got
+
+
 def decode_config(page: int, head_dim: int, kv_dtype: torch.dtype) -> tuple[int, int, int, int | None]:
-    """(BLOCK_N, num_warps, num_stages, maxnreg or None). A key tile of about 16 KiB per operand: 64
-    bf16 tokens at D = 128 (the H200 sweep's best of the previous kernel), twice the tokens for fp8;
-    never less than a page. fp8's registers are capped at 168 (ptxas picks 174 for the sm_90 build:
-    two programs per SM; at 168, three fit in registers and in shared memory, 3 x 72 KiB, for six
-    spilled loads per tile). bench/kernels_bench.py --sweep-decode re-times alternatives."""
+    """(BLOCK_N, num_warps, num_stages, maxnreg or None). bf16: a key tile of about 16 KiB per operand, 64
+    tokens at D = 128 (the H200 sweep's best), never less than a page. fp8 (swapped products): 64 tokens, two
+    warps, three stages, registers capped at 168 (six programs per SM by registers and shared memory, 3 x 16
+    KiB each): 0.234 ms at W2's B=256 shape against 0.257 for the previous (128, 4, 2, 168) and bf16's 0.307
+    (bench/results/h200_2026-12-03_kernels_fp8_sweep_c6fd372.jsonl). kernels_bench --sweep-fp8 re-times."""
     tokens = 64 if head_dim <= 128 else 32
     if is_fp8(kv_dtype):
-        return max(page, 2 * tokens, 16), 4, 2, FP8_DECODE_MAXNREG
+        return max(page, tokens, 16), 2, 3, FP8_DECODE_MAXNREG
     return max(page, tokens, 16), 4, 2, None
 
 
@@ -463,8 +467,7 @@ def paged_decode_attention(
     min_chunk: int = MIN_CHUNK_TILES,
     fused_merge: bool = False,
     swap_ab: bool | None = None,
-    scale_lead: int | None = None,
-    fast_deq: int | None = None,
+    plans: dict | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (q: [B, Hq, D]) over its ``seq_lens[i]`` cached tokens.
 
@@ -476,10 +479,10 @@ def paged_decode_attention(
     atomic counter per sequence and kv head) instead of a second kernel (opt-in until timed on the
     H200: bench/kernels_bench.py --compare-legacy). ``swap_ab``: the products with the key tile as the
     tensor cores' M side (``_decode_tile_t``); None = ``SWAP_AB`` for the cache's dtype (bench/kernels_bench.py
-    --swap-ab times both). ``scale_lead``: how many key tiles ahead fp8's block ids are loaded for the
-    scales (1: the ids and the scales of the next tile in the same iteration; 2: ids two tiles ahead, so
-    no load waits on another); None = ``SCALE_LEAD`` for the cache's dtype. Returns ``out`` ([B, Hq, D],
-    q's dtype).
+    --swap-ab times both). ``plans``: a dict owned by one step's metadata (``AttentionMetadata.decode_plans``):
+    the balanced partition is computed by one small kernel on the first call of the step and kept there for
+    every later layer with the same tile and window (None: each call's programs compute it themselves).
+    Returns ``out`` ([B, Hq, D], q's dtype).
     """
     check_paged_inputs(q, kv_cache, block_tables, kv_scales)
     window = check_window(sliding_window)
@@ -503,17 +506,8 @@ def paged_decode_attention(
         raise ValueError(f"split_target and min_chunk must be >= 1; got {split_target}, {min_chunk}")
     group = hq // hkv
     ptrs, strides, consts = kv_args(kv_cache, kv_scales, q)
-    kind = "fp8" if consts["KV_FP8"] else "16bit"
     if swap_ab is None:
-        swap_ab = SWAP_AB[kind]
-    if scale_lead is None:
-        scale_lead = SCALE_LEAD[kind]
-    if scale_lead not in (1, 2):
-        raise ValueError(f"scale_lead must be 1 or 2; got {scale_lead}")
-    if fast_deq is None:  # integer-op widening: fp8 on the GPU with 16-bit products (no inline PTX on the CPU)
-        fast_deq = FAST_DEQ if consts.get("DOT16") and swap_ab and q.is_cuda else 0
-    if fast_deq not in (0, 1, 2, 3) or (fast_deq and not (consts.get("DOT16") and swap_ab)):
-        raise ValueError(f"fast_deq must be 0, or 1-3 with fp8 KV, 16-bit q and swap_ab; got {fast_deq}")
+        swap_ab = SWAP_AB["fp8" if consts["KV_FP8"] else "16bit"]
     g_pad = max(8 if swap_ab else 16, triton.next_power_of_2(group))  # a dot's N may be 8, its M 16 at least
     block_n, warps, stages, *maxnreg = decode_config(page, d, ptrs[0].dtype)
     launch = dict(num_warps=warps, num_stages=stages)
@@ -522,10 +516,14 @@ def paged_decode_attention(
     programs = batch * num_splits if num_splits else batch + split_target
     part_o = torch.empty((programs, hq, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((programs, hq), dtype=torch.float32, device=q.device)
-    seq_info = torch.empty((batch, 2), dtype=torch.int32, device=q.device)
+    planned = plans is not None and not num_splits
+    if planned:
+        plan, seq_info = decode_plan(plans, seq_lens, block_n, window, split_target, min_chunk)
+    else:
+        plan, seq_info = seq_lens, torch.empty((batch, 2), dtype=torch.int32, device=q.device)
     counters = torch.zeros((batch, hkv) if fused_merge else (1,), dtype=torch.int32, device=q.device)
     _decode_split_kernel[(programs, hkv)](
-        q, *ptrs, block_tables, seq_lens, out, part_o, part_lse, seq_info, counters,
+        q, *ptrs, block_tables, seq_lens, out, part_o, part_lse, seq_info, counters, plan,
         scale * LOG2E, window, batch, split_target, min_chunk,
         q.stride(0), q.stride(1),
         *strides,
@@ -533,8 +531,8 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         GROUP=group, G_PAD=g_pad, HEAD_DIM=d, PAGE=page,
         BLOCK_N=block_n, FIXED_SPLITS=num_splits or 0, USE_WINDOW=window > 0, **consts,
-        DOT_PREC=dot_precision(q), SCAN_N=SCAN, FUSED_MERGE=fused_merge, SWAP_AB=swap_ab,
-        SCALE_LEAD=scale_lead, FAST_DEQ=fast_deq, **launch,
+        DOT_PREC=dot_precision(q), SCAN_N=SCAN, FUSED_MERGE=fused_merge, SWAP_AB=swap_ab, PLANNED=planned,
+        **launch,
     )  # fmt: skip
     if num_splits != 1 and not fused_merge:
         _decode_reduce_kernel[(batch, hq)](

@@ -3,7 +3,7 @@ layer (no module-level context, unlike nano-vllm)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,6 +15,7 @@ class DecodeRows:
     token_idx: torch.Tensor  # [Bd] int64: their rows of the flattened token axis
     block_tables: torch.Tensor  # [Bd, max_blocks] int32
     seq_lens: torch.Tensor  # [Bd] int32
+    decode_plans: dict = field(default_factory=dict)  # as AttentionMetadata.decode_plans, for these rows
 
 
 @dataclass(slots=True)
@@ -46,6 +47,9 @@ class AttentionMetadata:
     # A mixed step's one-token sequences (decodes), for backends that give them the decode kernel: their token
     # indices [Bd] int64, block tables [Bd, max_blocks] and seq_lens [Bd] (gathered once per step, not per layer).
     decode_rows: DecodeRows | None = None
+    # Per-step scratch of the decode kernel: its work partition over the live lengths, made by the first layer and
+    # reused by the others (rollout.kernels.paged_decode.decode_plan). A fresh dict per metadata, so per step.
+    decode_plans: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

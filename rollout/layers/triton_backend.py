@@ -59,6 +59,7 @@ class TritonAttentionBackend:
             return self._decode(
                 q, kv_cache, meta.block_tables, meta.seq_lens, scale,
                 sliding_window=sliding_window, num_splits=self.decode_num_splits, kv_scales=kv_scales,
+                plans=meta.decode_plans,
             )  # fmt: skip
         rows = meta.decode_rows
         out = self._prefill_rows(q, kv_cache, kv_scales, meta, scale, sliding_window)
@@ -66,6 +67,7 @@ class TritonAttentionBackend:
             dec = self._decode(
                 q.index_select(0, rows.token_idx), kv_cache, rows.block_tables, rows.seq_lens, scale,
                 sliding_window=sliding_window, num_splits=self.decode_num_splits, kv_scales=kv_scales,
+                plans=rows.decode_plans,
             )  # fmt: skip
             out.index_copy_(0, rows.token_idx, dec)
         return out
