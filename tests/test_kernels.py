@@ -261,10 +261,41 @@ def check_backend_decode_plans():
     ref_cache = cache.clone()
     ref = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, SCALE)
     backend = TritonAttentionBackend()
+    meta.decode_plans = {}  # as the runners' fresh per-forward metadata
     for _ in range(2):
         out = backend.forward(q, k, v, cache, meta, SCALE)
         assert_close(out, ref, 1e-4)
     assert len(meta.decode_plans) == 1, list(meta.decode_plans)
+
+
+def check_backend_reused_metadata_replans():
+    """Metadata reused across steps with its lengths updated in place (as a CUDA-graph caller does between
+    warm-up, capture and replays) gets no stale partition: by default nothing is kept between calls."""
+    from rollout.layers.triton_backend import TritonAttentionBackend
+
+    q, cache, meta = scenario([1, 1, 1, 1], [4, 170, 33, 900], 4, 2, 16, 8)
+    backend = TritonAttentionBackend()
+    assert meta.decode_plans is None
+    for lens in ([4, 170, 33, 900], [900, 4, 170, 33]):  # same blocks in all, other order: other partition
+        meta.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        q2, cache2, meta2 = scenario([1, 1, 1, 1], lens, 4, 2, 16, 8)
+        cache.copy_(cache2)
+        meta.block_tables.copy_(meta2.block_tables)
+        meta.slot_mapping.copy_(meta2.slot_mapping)
+        k, v = cache2[0].view(-1, 2, 16)[meta2.slot_mapping], cache2[1].view(-1, 2, 16)[meta2.slot_mapping]
+        out = backend.forward(q2, k, v, cache, meta, SCALE)
+        assert_close(out, reference_attention(q2, cache2, meta2, SCALE), 1e-4)
+
+
+def check_runner_metadata_plans():
+    """The runners' metadata (make_metadata, mixed_decode_rows) opts in with a fresh dict per forward."""
+    from rollout.engine.runners.base import make_metadata
+
+    q, cache, meta = scenario([1, 1], [4, 9], 4, 2, 16, 8)
+    fields = {"positions": meta.positions, "slot_mapping": meta.slot_mapping,
+              "query_start_loc": meta.query_start_loc, "seq_lens": meta.seq_lens}
+    made = [make_metadata(lambda name, dt: fields[name], meta.block_tables, 1, 9, True) for _ in range(2)]
+    assert made[0].decode_plans == {} and made[0].decode_plans is not made[1].decode_plans
 
 
 def check_num_splits():
@@ -339,6 +370,8 @@ CHECKS = {
     "decode_many_seqs_small_scan": check_decode_many_seqs_small_scan,
     "decode_planned": check_decode_planned,
     "backend_decode_plans": check_backend_decode_plans,
+    "backend_reused_metadata_replans": check_backend_reused_metadata_replans,
+    "runner_metadata_plans": check_runner_metadata_plans,
     "decode_empty_seq_strided_q_out": check_decode_empty_and_strided,
     "prefill_mixed_cached_prefix": lambda: check_prefill(
         [1, 17, 5, 40, 3], [9, 17, 70, 100, 3], 4, 2, 32, 16

@@ -3,7 +3,7 @@ layer (no module-level context, unlike nano-vllm)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -15,7 +15,7 @@ class DecodeRows:
     token_idx: torch.Tensor  # [Bd] int64: their rows of the flattened token axis
     block_tables: torch.Tensor  # [Bd, max_blocks] int32
     seq_lens: torch.Tensor  # [Bd] int32
-    decode_plans: dict = field(default_factory=dict)  # as AttentionMetadata.decode_plans, for these rows
+    decode_plans: dict | None = None  # as AttentionMetadata.decode_plans, for these rows
 
 
 @dataclass(slots=True)
@@ -48,8 +48,11 @@ class AttentionMetadata:
     # indices [Bd] int64, block tables [Bd, max_blocks] and seq_lens [Bd] (gathered once per step, not per layer).
     decode_rows: DecodeRows | None = None
     # Per-step scratch of the decode kernel: its work partition over the live lengths, made by the first layer and
-    # reused by the others (rollout.kernels.paged_decode.decode_plan). A fresh dict per metadata, so per step.
-    decode_plans: dict = field(default_factory=dict)
+    # reused by the others (rollout.kernels.paged_decode.decode_plan). Opt-in: only a caller that builds fresh
+    # metadata for every forward (the model runners) may set a dict; metadata reused across steps with its tensors
+    # updated in place (or across a warm-up and a CUDA-graph capture) must leave it None, or a later step would read
+    # an earlier step's partition. None: every layer's kernel partitions for itself.
+    decode_plans: dict | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -83,6 +83,7 @@ def make_metadata(field: Callable[[str, torch.dtype], torch.Tensor], block_table
         max_seq_len=max_seq_len, decode_only=decode_only,
         query_lens_host=h.query_lens if h is not None else None,
         seq_lens_host=h.seq_lens if h is not None else None,
+        decode_plans={},  # fresh metadata per forward: the decode partition is made once and shared by the layers
     )
 
 
@@ -99,7 +100,8 @@ def mixed_decode_rows(h: HostInputs, meta: AttentionMetadata) -> DecodeRows | No
     pin = device.type == "cuda"
     both = torch.tensor([seqs, [h.query_start_loc[i] for i in seqs]], dtype=torch.int64, pin_memory=pin)
     seq_idx, token_idx = both.to(device, non_blocking=True).unbind(0)
-    return DecodeRows(token_idx, meta.block_tables.index_select(0, seq_idx), meta.seq_lens.index_select(0, seq_idx))
+    return DecodeRows(token_idx, meta.block_tables.index_select(0, seq_idx), meta.seq_lens.index_select(0, seq_idx),
+                      decode_plans={})
 
 
 def make_sampling(field: Callable[[str, torch.dtype], torch.Tensor], suppress: torch.Tensor | None,
