@@ -251,6 +251,26 @@ def check_decode_planned():
         pd._decode_plan_kernel = plan_kernel
 
 
+def check_decode_waves_uniform_lengths():
+    """With several waves in the target, even lengths are cut for one wave (fewer, longer chunks: here none
+    split) and uneven ones for all the waves; the outputs equal the reference either way."""
+    import rollout.kernels.paged_decode as pd
+
+    for lens, split in (([300] * 6 + [280, 310], False), (long_tail(8, 2000, 5), True)):
+        q, cache, meta = scenario([1] * len(lens), lens, 4, 2, 16, 16)
+        plans: dict = {}
+        out = pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, split_target=32,
+                                        min_chunk=1, waves=4, plans=plans)  # fmt: skip
+        assert_close(out, reference_attention(q, cache, meta, SCALE), 1e-4)
+        (_, seq_info), = plans.values()
+        assert bool((seq_info[:, 1] > 1).any()) == split, (lens, seq_info[:, 1].tolist())
+        one_wave = pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, split_target=32,
+                                             min_chunk=1, waves=1, plans={})  # fmt: skip
+        assert_close(one_wave, out, 1e-5)
+    with pytest.raises(ValueError, match="waves"):
+        pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, waves=0)
+
+
 def check_backend_decode_plans():
     """The backend plans a decode step once: two layers' forwards on one step's metadata share one plan."""
     from rollout.layers.triton_backend import TritonAttentionBackend
@@ -369,6 +389,7 @@ CHECKS = {
                                                       split_target=6, min_chunk=1, fused_merge=True),
     "decode_many_seqs_small_scan": check_decode_many_seqs_small_scan,
     "decode_planned": check_decode_planned,
+    "decode_waves_uniform_lengths": check_decode_waves_uniform_lengths,
     "backend_decode_plans": check_backend_decode_plans,
     "backend_reused_metadata_replans": check_backend_reused_metadata_replans,
     "runner_metadata_plans": check_runner_metadata_plans,

@@ -48,6 +48,7 @@ from rollout.kernels.paged_common import (  # noqa: F401 - re-exported for calle
 # from the split sweep of the previous, per-batch split heuristic (bench/results/kernels_*_h200.jsonl).
 PROGRAMS_PER_SM = 4
 DECODE_WAVES = 4  # split_target = this many waves of resident programs (per kv head's share)
+UNIFORM_MAX_OVER_MEAN = tl.constexpr(2)  # lengths this even (longest <= 2 x mean) get one wave (_find_chunk)
 MIN_CHUNK_TILES = 2  # below ~128 keys a chunk's partial write and merge cost more than they balance
 MAX_SPLITS = 128  # old fixed-split heuristic's cap (bench A/B only)
 SCAN = 256  # sequences per step of the in-kernel prefix sum
@@ -198,17 +199,30 @@ def _merge_chunks(part_o_ptr, part_lse_ptr, out_ptr, first, n, b, heads, g_ok, o
 
 @triton.jit
 def _find_chunk(pid, seq_lens_ptr, window, batch, split_target, min_chunk, BLOCK_N: tl.constexpr,
-                USE_WINDOW: tl.constexpr, SCAN_N: tl.constexpr):  # fmt: skip
+                USE_WINDOW: tl.constexpr, SCAN_N: tl.constexpr, WAVES: tl.constexpr):  # fmt: skip
     """Program ``pid``'s chunk of the balanced partition: (sequence b, its first program, its chunk count n, its
     length); n == 0 when there are more programs than chunks. Two passes over ``seq_lens``: the chunk size
-    ``c = max(ceil(total live tiles / split_target), min_chunk)``, then the sequence whose run of chunks holds pid."""
+    ``c = max(ceil(total live tiles / target), min_chunk)``, then the sequence whose run of chunks holds pid.
+
+    ``target`` is ``split_target`` (``WAVES`` waves of resident programs) when the lengths are uneven, and one
+    wave (``split_target // WAVES``) when no live sequence is longer than UNIFORM_MAX_OVER_MEAN x the mean:
+    extra waves only even out unequal chunks, and equal lengths split into equal chunks already, so there
+    they would only add partials to write and merge (W1-short and W3 ran 3% slower than one fixed split)."""
     offs = tl.arange(0, SCAN_N)
     total = 0
+    longest = 0
+    live = 0
     for i in range(0, batch, SCAN_N):
         lens = tl.load(seq_lens_ptr + i + offs, mask=i + offs < batch, other=0)
         lo_v, hi_v = _tile_range(lens, window, BLOCK_N, USE_WINDOW)
         total += tl.sum(hi_v - lo_v, 0)
-    chunk = tl.maximum((total + split_target - 1) // split_target, min_chunk)
+        longest = tl.maximum(longest, tl.max(hi_v - lo_v, 0))
+        live += tl.sum((lens > 0).to(tl.int32), 0)
+    target = split_target
+    if WAVES > 1:
+        if longest * live <= UNIFORM_MAX_OVER_MEAN * total:
+            target = tl.maximum(split_target // WAVES, 1)
+    chunk = tl.maximum((total + target - 1) // target, min_chunk)
     # This program's sequence: the one whose run of chunks [cum - n_b, cum) contains pid.
     base = 0
     b = 0
@@ -232,13 +246,14 @@ def _find_chunk(pid, seq_lens_ptr, window, batch, split_target, min_chunk, BLOCK
 
 @triton.jit
 def _decode_plan_kernel(seq_lens_ptr, plan_ptr, seq_info_ptr, window, batch, split_target, min_chunk,
-                        BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, SCAN_N: tl.constexpr):  # fmt: skip
+                        BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, SCAN_N: tl.constexpr,
+                        WAVES: tl.constexpr):  # fmt: skip
     """The balanced partition of one step, once for every layer that shares its lengths, tile and window:
     ``plan[pid] = (b, first, n, seq_len)`` per program (``_find_chunk``), and the merge's ``seq_info[b] =
     (first, n)``. Without it every program of every layer's split kernel redoes the two passes."""
     pid = tl.program_id(0)
     b, first, n, seq_len = _find_chunk(pid, seq_lens_ptr, window, batch, split_target, min_chunk, BLOCK_N,
-                                       USE_WINDOW, SCAN_N)  # fmt: skip
+                                       USE_WINDOW, SCAN_N, WAVES)  # fmt: skip
     tl.store(plan_ptr + 4 * pid, b)
     tl.store(plan_ptr + 4 * pid + 1, first)
     tl.store(plan_ptr + 4 * pid + 2, n)
@@ -262,6 +277,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr, FIXED_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
     V_TRANS: tl.constexpr, SCALE_CONTIG: tl.constexpr, DOT16: tl.constexpr, DOT_PREC: tl.constexpr,
     SCAN_N: tl.constexpr, FUSED_MERGE: tl.constexpr, SWAP_AB: tl.constexpr, PLANNED: tl.constexpr,
+    WAVES: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -278,7 +294,7 @@ def _decode_split_kernel(
             seq_len = tl.load(plan_ptr + 4 * pid + 3)
         else:
             b, first, n, seq_len = _find_chunk(pid, seq_lens_ptr, window, batch, split_target, min_chunk, BLOCK_N,
-                                               USE_WINDOW, SCAN_N)  # fmt: skip
+                                               USE_WINDOW, SCAN_N, WAVES)  # fmt: skip
         if n == 0:  # more programs than chunks this step
             return
     j = pid - first
@@ -422,11 +438,11 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_tiles: int, sms: int) -
 
 
 def decode_plan(plans: dict, seq_lens: torch.Tensor, block_n: int, window: int, split_target: int,
-                min_chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+                min_chunk: int, waves: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(plan [programs, 4] int32, seq_info [B, 2] int32) of the balanced partition over ``seq_lens``, from
     ``plans`` if this step already made it for the same tile, window and target, else made now by
     ``_decode_plan_kernel`` (one launch; inside a CUDA graph it is captured, so every replay re-plans)."""
-    key = (seq_lens.data_ptr(), seq_lens.shape[0], block_n, window, split_target, min_chunk)
+    key = (seq_lens.data_ptr(), seq_lens.shape[0], block_n, window, split_target, min_chunk, waves)
     got = plans.get(key)
     if got is None:
         batch = seq_lens.shape[0]
@@ -435,7 +451,7 @@ def decode_plan(plans: dict, seq_lens: torch.Tensor, block_n: int, window: int, 
         seq_info = torch.empty((batch, 2), dtype=torch.int32, device=seq_lens.device)
         _decode_plan_kernel[(programs,)](
             seq_lens, plan, seq_info, window, batch, split_target, min_chunk,
-            BLOCK_N=block_n, USE_WINDOW=window > 0, SCAN_N=SCAN, num_warps=4,
+            BLOCK_N=block_n, USE_WINDOW=window > 0, SCAN_N=SCAN, WAVES=waves, num_warps=4,
         )  # fmt: skip
         got = plans[key] = (plan, seq_info)
     return got
@@ -468,6 +484,7 @@ def paged_decode_attention(
     fused_merge: bool = False,
     swap_ab: bool | None = None,
     plans: dict | None = None,
+    waves: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (q: [B, Hq, D]) over its ``seq_lens[i]`` cached tokens.
 
@@ -482,7 +499,9 @@ def paged_decode_attention(
     --swap-ab times both). ``plans``: a dict owned by one step's metadata (``AttentionMetadata.decode_plans``):
     the balanced partition is computed by one small kernel on the first call of the step and kept there for
     every later layer with the same tile and window (None: each call's programs compute it themselves).
-    Returns ``out`` ([B, Hq, D], q's dtype).
+    ``waves``: how many waves of programs ``split_target`` holds (default: DECODE_WAVES with the default
+    target, 1 with an explicit one); with more than one, even lengths (longest <= 2 x mean) are cut for one
+    wave only (``_find_chunk``). Returns ``out`` ([B, Hq, D], q's dtype).
     """
     check_paged_inputs(q, kv_cache, block_tables, kv_scales)
     window = check_window(sliding_window)
@@ -502,6 +521,10 @@ def paged_decode_attention(
         raise ValueError(f"num_splits must be in [1, 1024]; got {num_splits}")
     if split_target is None:
         split_target = choose_split_target(hkv, num_sms(q.device))
+        waves = DECODE_WAVES if waves is None else waves
+    waves = 1 if waves is None else waves  # an explicit split_target is taken as it is, unless waves says
+    if waves < 1:
+        raise ValueError(f"waves must be >= 1; got {waves}")
     if split_target < 1 or min_chunk < 1:
         raise ValueError(f"split_target and min_chunk must be >= 1; got {split_target}, {min_chunk}")
     group = hq // hkv
@@ -518,7 +541,7 @@ def paged_decode_attention(
     part_lse = torch.empty((programs, hq), dtype=torch.float32, device=q.device)
     planned = plans is not None and not num_splits
     if planned:
-        plan, seq_info = decode_plan(plans, seq_lens, block_n, window, split_target, min_chunk)
+        plan, seq_info = decode_plan(plans, seq_lens, block_n, window, split_target, min_chunk, waves)
     else:
         plan, seq_info = seq_lens, torch.empty((batch, 2), dtype=torch.int32, device=q.device)
     counters = torch.zeros((batch, hkv) if fused_merge else (1,), dtype=torch.int32, device=q.device)
@@ -532,7 +555,7 @@ def paged_decode_attention(
         GROUP=group, G_PAD=g_pad, HEAD_DIM=d, PAGE=page,
         BLOCK_N=block_n, FIXED_SPLITS=num_splits or 0, USE_WINDOW=window > 0, **consts,
         DOT_PREC=dot_precision(q), SCAN_N=SCAN, FUSED_MERGE=fused_merge, SWAP_AB=swap_ab, PLANNED=planned,
-        **launch,
+        WAVES=waves, **launch,
     )  # fmt: skip
     if num_splits != 1 and not fused_merge:
         _decode_reduce_kernel[(batch, hq)](
