@@ -2,10 +2,9 @@
 
 Builds the engine on a random-init model of a real shape, B sequences whose contexts are W2-like (log-uniform
 from 512 to --ctx tokens, the longest always present; ``bench/kernels_bench.py``'s ``long_tail_lens``), and
-runs ``generate`` twice under ``torch.profiler``: ``max_tokens=1`` (the prefill and its sampled token) and
-``max_tokens=1 + --steps`` (the same plus ``--steps`` decode steps of the whole batch, as CUDA graph replays).
-The difference per kernel name over ``--steps`` is one decode step's kernel time: attention, GEMMs, the KV
-store, norms, sampling. One JSON line per dtype, then a side-by-side table.
+steps the engine until every prompt is prefilled, then runs ``--steps`` steps of the whole batch decoding (CUDA
+graph replays) under ``torch.profiler``: per kernel name, one decode step's device time (attention, GEMMs, the
+KV store, norms, sampling), and the step's wall time. One JSON line per dtype, then a side-by-side table.
 
     python bench/step_profile.py --kv auto,fp8 --out $OUT/step_profile.jsonl      # qwen2.5-1.5b, B=256, 16K tail
 """
@@ -59,16 +58,31 @@ def classify(name: str) -> str:
     return "other"
 
 
-def profile_kv(hf, prompts: list[list[int]], kv: str, args) -> dict[str, float]:
-    """One decode step's device time per kernel name (us), with ``kv_cache_dtype=kv``."""
-    engine = Engine.from_pretrained(hf, dtype="bfloat16", max_model_len=args.ctx + args.steps + 16,
+def profile_kv(hf, prompts: list[list[int]], kv: str, args) -> tuple[dict[str, float], float]:
+    """One decode step's device time per kernel name (us) with ``kv_cache_dtype=kv``, and its wall (ms): every
+    prompt is prefilled first (steps until the engine has computed them all), then ``--steps`` steps of the
+    whole batch decoding (graph replays) run under the profiler."""
+    engine = Engine.from_pretrained(hf, dtype="bfloat16", max_model_len=args.ctx + 4 * args.steps + 64,
                                     enable_prefix_caching=False, max_num_seqs=args.batch, kv_cache_dtype=kv)
-    short = SamplingParams(temperature=1.0, seed=1, max_tokens=1, ignore_eos=True)
-    long = SamplingParams(temperature=1.0, seed=1, max_tokens=1 + args.steps, ignore_eos=True)
-    engine.generate([q[:600] for q in prompts[:8]], long)  # compile, capture, settle
-    base, _ = kernel_times(lambda: engine.generate(prompts, short))
-    full, _ = kernel_times(lambda: engine.generate(prompts, long))
-    return {k: (full.get(k, 0.0) - base.get(k, 0.0)) / args.steps for k in full}
+    engine.generate([q[:600] for q in prompts[:8]], SamplingParams(max_tokens=16, ignore_eos=True))  # compile
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=4 * args.steps + 32, ignore_eos=True)
+    for q in prompts:
+        engine.add_request(q, params)
+    need = sum(len(q) for q in prompts)
+    base = engine.get_stats().num_prefill_tokens
+    while engine.get_stats().num_prefill_tokens - base < need:
+        engine.step()
+    for _ in range(4):  # the last prefill's samples collected, graphs for this batch captured
+        engine.step()
+
+    def run() -> None:
+        for _ in range(args.steps):
+            engine.step()
+
+    times, wall = kernel_times(run)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {k: v / args.steps for k, v in times.items()}, wall / args.steps * 1e3
 
 
 def main() -> None:
@@ -90,14 +104,14 @@ def main() -> None:
     prompts = [torch.randint(100, vocab - 100, (n,), generator=gen).tolist() for n in lens]
     rows = {}
     for kv in args.kv.split(","):
-        step = profile_kv(hf, prompts, kv, args)
+        step, wall_ms = profile_kv(hf, prompts, kv, args)
         by_class: dict[str, float] = collections.Counter()
         for k, us in step.items():
             by_class[classify(k)] += us
         top = sorted(step.items(), key=lambda kv: -kv[1])[:14]
         rec = dict(bench="step_profile", preset=args.preset, kv_cache_dtype=kv, batch=args.batch,
                    mean_ctx=round(sum(lens) / len(lens)), steps=args.steps, commit=bench._commit(),
-                   step_kernel_ms=round(sum(step.values()) / 1e3, 3),
+                   step_kernel_ms=round(sum(step.values()) / 1e3, 3), step_wall_ms=round(wall_ms, 3),
                    by_class_ms={k: round(v / 1e3, 3) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
                    top_ms=[(k[:90], round(v / 1e3, 4)) for k, v in top])  # fmt: skip
         rows[kv] = rec
