@@ -116,6 +116,11 @@ def decode_variants(args, batch: int, hkv: int, max_tiles: int, kv: str = "bf16"
     # "planned": the partition made once (as the engine does per step for all its layers), then only the split
     # kernel timed; "balanced": every call's programs partition for themselves
     out = [dict(variant="balanced"), dict(variant="planned", plan=True)]
+    if kv == "fp8":  # token-contiguous V copied page by page (each copy 512 contiguous bytes): on, and off
+        from rollout.kernels.paged_decode import V_PAGES
+
+        out.append(dict(variant="planned_v_pages" if not V_PAGES else "planned_no_v_pages", plan=True,
+                        v_pages=not V_PAGES))
     if args.compare_legacy:
         out.append(dict(variant="legacy", num_splits=choose_num_splits(batch, hkv, max_tiles, sms)))
         out.append(dict(variant="fused", fused_merge=True))  # balanced, the merge in the split kernel
@@ -154,7 +159,7 @@ def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: to
     default_config = pd.decode_config
     recs = []
     for var in decode_variants(args, batch, hkv, max_tiles, kv):
-        keys = ("num_splits", "split_target", "fused_merge", "swap_ab")
+        keys = ("num_splits", "split_target", "fused_merge", "swap_ab", "v_pages")
         kw = {k: var[k] for k in keys if k in var}
         planned = var.get("plan", False)
         if "config" in var:

@@ -242,6 +242,11 @@ CHECKS = {
     "decode_fp8_swap_ab_bf16_queries_tiny_v": lambda: check_decode_fp8(6, 2, 32, 16, [7, 260, 45], window=100,
                                                                        q_dtype=torch.bfloat16, tol=2e-2, v_scale=1e-5,
                                                                        split_target=4, swap_ab=True),
+    "decode_fp8_v_pages_long_tail": lambda: check_decode_fp8(12, 2, 16, 16, long_tail(12, 1500, 7), split_target=12,
+                                                             min_chunk=1, swap_ab=True, v_pages=True),
+    "decode_fp8_v_pages_page8_bf16_queries_window": lambda: check_decode_fp8(
+        6, 2, 32, 8, [7, 260, 45, 1000], q_dtype=torch.bfloat16, tol=1e-2, window=300, split_target=5, swap_ab=True,
+        v_pages=True),
     "prefill_fp8_bf16_queries_tiny_v": lambda: check_prefill_fp8([1, 20, 33], [9, 20, 70], 4, 2, 32, 16,
                                                                   q_dtype=torch.bfloat16, tol=2e-2, v_scale=1e-5),
     "prefill_fp8_cached_prefix": lambda: check_prefill_fp8([1, 17, 5, 40], [9, 17, 70, 100], 4, 2, 32, 16),

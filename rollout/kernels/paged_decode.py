@@ -57,6 +57,11 @@ S_BLOCK = 16  # partials merged per step of the reduce loop
 # H200, qwen2.5-1.5b, long-tail to 16K (bench/results/h200_2026-12-02_kernels_swap_ab.jsonl): fp8 1.07-1.08x
 # faster swapped (B=256: 0.258 vs 0.279 ms), bf16 1.01-1.04x slower, so only fp8 swaps.
 SWAP_AB = {"16bit": False, "fp8": True}
+# Token-contiguous (fp8) V copied page by page in the swapped kernel (paged_decode_attention's v_pages): a [pages,
+# D, PAGE] load whose copy instructions each read 32 consecutive dims of one page (512 contiguous bytes), where the
+# [D, BLOCK_N] load spread a copy's lanes over several pages and moved twice the ideal L2 sectors (Nsight Compute
+# on the H200, docs/benchmarks.md 2026-12-03). Off until timed.
+V_PAGES = False
 FP8_DECODE_MAXNREG = 168  # registers per thread of the fp8 decode kernel (decode_config)
 
 
@@ -132,7 +137,7 @@ def _decode_tile_t(
     q_t, m_i, l_i, acc_t, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, V_TRANS: tl.constexpr,
-    DOT_PREC: tl.constexpr, TAIL: tl.constexpr,
+    DOT_PREC: tl.constexpr, TAIL: tl.constexpr, V_PAGES: tl.constexpr = False,
 ):  # fmt: skip
     """``_decode_tile`` with the products swapped ("swap AB"): scores as K [BLOCK_N, D] x q^T [D, G],
     output as V^T [D, BLOCK_N] x P^T [BLOCK_N, G], so the key tile is the products' M side (a
@@ -155,8 +160,18 @@ def _decode_tile_t(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[None, :])
     l_i = l_i * alpha + tl.sum(p, 0)
-    v = load_v_tile(v_ptr, blk, slot, pos, seq_len, kvh, ok, offs_d, stride_vb, stride_vs, stride_vh, stride_vd,
-                    PAGE, V_TRANS, TAIL)  # fmt: skip
+    if V_PAGES and V_TRANS and not TAIL:  # page by page: each copy instruction reads one page's dims in a row
+        NP: tl.constexpr = BLOCK_N // PAGE
+        offs_p = tl.arange(0, NP)
+        offs_t = tl.arange(0, PAGE)
+        pblk = tl.load(bt_row + t * NP + offs_p).to(tl.int64)
+        base = tl.multiple_of(pblk * stride_vb + kvh * stride_vh, PAGE)
+        v3 = tl.load(v_ptr + offs_d[:, None, None] * stride_vd + base[None, :, None]
+                     + offs_t[None, None, :] * stride_vs)  # [D, pages, PAGE]: lanes along D, 16 tokens each
+        v = tl.reshape(v3, (offs_d.shape[0], BLOCK_N))
+    else:
+        v = load_v_tile(v_ptr, blk, slot, pos, seq_len, kvh, ok, offs_d, stride_vb, stride_vs, stride_vh, stride_vd,
+                        PAGE, V_TRANS, TAIL)  # fmt: skip
     v = v.to(q_t.dtype)
     if V_TRANS:
         if TAIL:
@@ -277,7 +292,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr, FIXED_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
     V_TRANS: tl.constexpr, SCALE_CONTIG: tl.constexpr, DOT16: tl.constexpr, DOT_PREC: tl.constexpr,
     SCAN_N: tl.constexpr, FUSED_MERGE: tl.constexpr, SWAP_AB: tl.constexpr, PLANNED: tl.constexpr,
-    WAVES: tl.constexpr,
+    WAVES: tl.constexpr, V_PAGES: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -330,7 +345,7 @@ def _decode_split_kernel(
             m_i, l_i, acc_t = _decode_tile_t(
                 q_t, m_i, l_i, acc_t, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
-                PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, False,
+                PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, False, V_PAGES,
             )  # fmt: skip
             k_sc, v_sc = k_next, v_next
         for t in range(full, t1):  # at most one: the tile holding the sequence's end
@@ -485,6 +500,7 @@ def paged_decode_attention(
     swap_ab: bool | None = None,
     plans: dict | None = None,
     waves: int | None = None,
+    v_pages: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (q: [B, Hq, D]) over its ``seq_lens[i]`` cached tokens.
 
@@ -531,6 +547,9 @@ def paged_decode_attention(
     ptrs, strides, consts = kv_args(kv_cache, kv_scales, q)
     if swap_ab is None:
         swap_ab = SWAP_AB["fp8" if consts["KV_FP8"] else "16bit"]
+    if v_pages is None:
+        v_pages = V_PAGES
+    v_pages = bool(v_pages and swap_ab and consts["V_TRANS"])
     g_pad = max(8 if swap_ab else 16, triton.next_power_of_2(group))  # a dot's N may be 8, its M 16 at least
     block_n, warps, stages, *maxnreg = decode_config(page, d, ptrs[0].dtype)
     launch = dict(num_warps=warps, num_stages=stages)
@@ -555,7 +574,7 @@ def paged_decode_attention(
         GROUP=group, G_PAD=g_pad, HEAD_DIM=d, PAGE=page,
         BLOCK_N=block_n, FIXED_SPLITS=num_splits or 0, USE_WINDOW=window > 0, **consts,
         DOT_PREC=dot_precision(q), SCAN_N=SCAN, FUSED_MERGE=fused_merge, SWAP_AB=swap_ab, PLANNED=planned,
-        WAVES=waves, **launch,
+        WAVES=waves, V_PAGES=v_pages, **launch,
     )  # fmt: skip
     if num_splits != 1 and not fused_merge:
         _decode_reduce_kernel[(batch, hq)](
