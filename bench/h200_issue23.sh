@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Issue 23's H200 runs, in stages that each fit one device call (<= 10 min); results under $OUT, one log per stage.
+#   call 1: source scripts/device_env.sh <commit>; bash bench/h200_issue23.sh kernels legacy w2       (~8 min)
+#   call 2: source scripts/device_env.sh <commit>; bash bench/h200_issue23.sh w2_512 w2mem           (~9 min)
+#   call 3: source scripts/device_env.sh <commit>; bash bench/h200_issue23.sh profile ncu            (~3 min)
+# Stages:
+#   kernels  decode kernels at W2's shapes: balanced / planned / planned_all_waves (the one-wave cut of even
+#            lengths off) / fp8 V copied page by page (v_pages) / fixed split (bench/kernels_bench.py)
+#   legacy   W1-short and W3 with the live-length split vs the previous fixed split (issue 23.4's bar)
+#   w2       W2 bf16 vs fp8 KV with the logprob check (the 1.3x bar), V_PAGES as the tree sets it
+#   w2_512   W2 at max_num_seqs 512: eager_decode_steps must be 0 (issue 23.3)
+#   w2mem    the memory-bound W2 (fp8 vs bf16, swap vs recompute at 30% of the KV need; issue 23.5)
+#   profile  one decode step's kernels, bf16 vs fp8 (bench/step_profile.py)
+#   ncu      Nsight Compute of the fp8 decode kernel with V page by page (sectors per copy: ideal is the bar)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
+summary() {  # $1: jsonl; prints the fields that decide the issue's bars
+  python3 - "$1" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    try:
+        r = json.loads(line)
+    except ValueError:
+        continue
+    if r.get("bench") == "decode":
+        print(r["kv"], r["B"], r["variant"], r.get("config"), r["ms"], r["gbps"])
+    elif "workload" in r:
+        keys = ("workload", "kv_cache_dtype", "decode_split", "kv_budget_frac", "preemption", "tok_s",
+                "mean_decode_compute_ms", "floor_ratio", "roofline_ratio", "eager_decode_steps", "max_decode_batch",
+                "fp8_vs_bf16", "vs_legacy", "decode_compute_vs_legacy", "swap_vs_recompute",
+                "logprob_mean_abs_diff_vs_hf")
+        print({k: r[k] for k in keys if r.get(k) is not None})
+PY
+}
+for stage in "$@"; do
+  echo "== $stage $(date -u +%T)"
+  case $stage in
+    kernels)
+      timeout 150 python3 bench/kernels_bench.py --preset qwen2.5-1.5b --lengths long-tail --batches 32,128,256,512 \
+        --ctxs 16384 --kv bf16,fp8 --no-prefill --compare-legacy > "$OUT/kernels.jsonl" 2> "$OUT/kernels.err"
+      summary "$OUT/kernels.jsonl" ;;
+    legacy)
+      timeout 200 python3 scripts/bench.py --workload W1-short,W3 --modes async --compare-legacy --sampling t1 \
+        --out "$OUT/legacy.jsonl" > "$OUT/legacy.log" 2>&1
+      summary "$OUT/legacy.jsonl" ;;
+    w2)
+      timeout 330 python3 scripts/bench.py --workload W2 --modes async --kv-cache-dtype auto,fp8 --logprob-check 8 \
+        --sampling t1 --out "$OUT/w2.jsonl" > "$OUT/w2.log" 2>&1
+      summary "$OUT/w2.jsonl" ;;
+    w2_512)
+      timeout 200 python3 scripts/bench.py --workload W2 --modes async --max-num-seqs 512 --sampling t1 \
+        --out "$OUT/w2_512.jsonl" > "$OUT/w2_512.log" 2>&1
+      summary "$OUT/w2_512.jsonl" ;;
+    w2mem)
+      timeout 360 python3 scripts/bench.py --workload W2-mem --modes async --kv-cache-dtype auto,fp8 \
+        --kv-budget-frac 0.3 --preemption swap,recompute --sampling t1 --out "$OUT/w2mem.jsonl" > "$OUT/w2mem.log" 2>&1
+      summary "$OUT/w2mem.jsonl" ;;
+    profile)
+      timeout 200 python3 bench/step_profile.py --kv auto,fp8 --out "$OUT/step_profile.jsonl" 2>&1 | tail -9 ;;
+    ncu)
+      python3 - > "$OUT/ncu_vpages.py" <<'PY'
+print("import rollout.kernels.paged_decode as pd, runpy, sys")
+print("pd.V_PAGES = True")
+print("sys.argv = ['bench/ncu_decode.py', '--kv', 'fp8']")
+print("runpy.run_path('bench/ncu_decode.py', run_name='__main__')")
+PY
+      timeout 150 ncu --clock-control none --kernel-name regex:_decode_split_kernel --launch-skip 2 --launch-count 1 \
+        --section MemoryWorkloadAnalysis --section SourceCounters --section SpeedOfLight --section WarpStateStats \
+        -o "$OUT/fp8_vpages" python3 "$OUT/ncu_vpages.py" > "$OUT/ncu.log" 2>&1
+      ncu -i "$OUT/fp8_vpages.ncu-rep" --page details > "$OUT/fp8_vpages_details.txt" 2>&1
+      ncu -i "$OUT/fp8_vpages.ncu-rep" --page source --print-source sass --csv > "$OUT/fp8_vpages_sass.csv" 2>&1
+      grep -E "Duration|DRAM Throughput|L2 Cache Throughput" "$OUT/fp8_vpages_details.txt" ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
