@@ -247,6 +247,10 @@ CHECKS = {
     "decode_fp8_v_pages_page8_bf16_queries_window": lambda: check_decode_fp8(
         6, 2, 32, 8, [7, 260, 45, 1000], q_dtype=torch.bfloat16, tol=1e-2, window=300, split_target=5, swap_ab=True,
         v_pages=True),
+    "decode_fp8_v_pages_page32_d64": lambda: check_decode_fp8(8, 2, 64, 32, [5, 100, 700], split_target=6, min_chunk=1,
+                                                              swap_ab=True, v_pages=True),
+    "decode_fp8_v_pages_page64_one_page_tiles": lambda: check_decode_fp8(4, 1, 32, 64, [64, 65, 400], split_target=3,
+                                                                         min_chunk=1, swap_ab=True, v_pages=True),
     "prefill_fp8_bf16_queries_tiny_v": lambda: check_prefill_fp8([1, 20, 33], [9, 20, 70], 4, 2, 32, 16,
                                                                   q_dtype=torch.bfloat16, tol=2e-2, v_scale=1e-5),
     "prefill_fp8_cached_prefix": lambda: check_prefill_fp8([1, 17, 5, 40], [9, 17, 70, 100], 4, 2, 32, 16),
