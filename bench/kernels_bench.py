@@ -124,6 +124,7 @@ def decode_variants(args, batch: int, hkv: int, max_tiles: int, kv: str = "bf16"
     if args.compare_legacy:
         out.append(dict(variant="legacy", num_splits=choose_num_splits(batch, hkv, max_tiles, sms)))
         out.append(dict(variant="fused", fused_merge=True))  # balanced, the merge in the split kernel
+        out.append(dict(variant="planned_fused", plan=True, fused_merge=True))  # and planned: no reduce launch
         # every length profile cut for all DECODE_WAVES waves (before even lengths got one wave)
         out.append(dict(variant="planned_all_waves", plan=True, split_target=choose_split_target(hkv, sms)))
     if args.sweep_splits:

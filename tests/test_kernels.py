@@ -271,6 +271,22 @@ def check_decode_waves_uniform_lengths():
         pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, waves=0)
 
 
+def check_decode_planned_fused_merge():
+    """Planned and fused: the merge counters are zeroed once per plans dict and left at zero by every call, so
+    three layers in a row (one with a window) all merge right."""
+    import rollout.kernels.paged_decode as pd
+
+    lens = long_tail(16, 1500, 9)
+    q, cache, meta = scenario([1] * len(lens), lens, 4, 2, 16, 16)
+    plans: dict = {}
+    for window in (None, 200, None):
+        out = pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, window, split_target=24,
+                                        min_chunk=1, fused_merge=True, plans=plans)  # fmt: skip
+        assert_close(out, reference_attention(q, cache, meta, SCALE, window), 1e-4)
+        counters = [v for k, v in plans.items() if k[0] == "counters"]
+        assert len(counters) == 1 and not counters[0].any(), counters
+
+
 def check_backend_decode_plans():
     """The backend plans a decode step once: two layers' forwards on one step's metadata share one plan."""
     from rollout.layers.triton_backend import TritonAttentionBackend
@@ -390,6 +406,7 @@ CHECKS = {
     "decode_many_seqs_small_scan": check_decode_many_seqs_small_scan,
     "decode_planned": check_decode_planned,
     "decode_waves_uniform_lengths": check_decode_waves_uniform_lengths,
+    "decode_planned_fused_merge": check_decode_planned_fused_merge,
     "backend_decode_plans": check_backend_decode_plans,
     "backend_reused_metadata_replans": check_backend_reused_metadata_replans,
     "runner_metadata_plans": check_runner_metadata_plans,

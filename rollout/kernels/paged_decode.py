@@ -62,6 +62,11 @@ SWAP_AB = {"16bit": False, "fp8": True}
 # [D, BLOCK_N] load spread a copy's lanes over several pages and moved twice the ideal L2 sectors (Nsight Compute
 # on the H200, docs/benchmarks.md 2026-12-03). Off until timed.
 V_PAGES = False
+# The last chunk of a split sequence merges its partials (an atomic counter per sequence and kv head) instead of a
+# second kernel per layer (paged_decode_attention's fused_merge). H200 at e44d04c, without a plan: 1.1% faster at
+# B=256, 1.1% slower at B=128 (bench/results/h200_2026-12-03_kern_e44d04c.jsonl); with a plan the counters are
+# zeroed once per step. Off until kernels_bench's planned_fused is timed.
+FUSED_MERGE = False
 FP8_DECODE_MAXNREG = 168  # registers per thread of the fp8 decode kernel (decode_config)
 
 
@@ -496,7 +501,7 @@ def paged_decode_attention(
     kv_scales: torch.Tensor | None = None,
     split_target: int | None = None,
     min_chunk: int = MIN_CHUNK_TILES,
-    fused_merge: bool = False,
+    fused_merge: bool | None = None,
     swap_ab: bool | None = None,
     plans: dict | None = None,
     waves: int | None = None,
@@ -563,7 +568,14 @@ def paged_decode_attention(
         plan, seq_info = decode_plan(plans, seq_lens, block_n, window, split_target, min_chunk, waves)
     else:
         plan, seq_info = seq_lens, torch.empty((batch, 2), dtype=torch.int32, device=q.device)
-    counters = torch.zeros((batch, hkv) if fused_merge else (1,), dtype=torch.int32, device=q.device)
+    if fused_merge is None:
+        fused_merge = FUSED_MERGE
+    if fused_merge and planned:  # one zeroed set per step: each layer's last chunks leave them at zero again
+        counters = plans.get(("counters", batch, hkv))
+        if counters is None:
+            counters = plans[("counters", batch, hkv)] = torch.zeros((batch, hkv), dtype=torch.int32, device=q.device)
+    else:
+        counters = torch.zeros((batch, hkv) if fused_merge else (1,), dtype=torch.int32, device=q.device)
     _decode_split_kernel[(programs, hkv)](
         q, *ptrs, block_tables, seq_lens, out, part_o, part_lse, seq_info, counters, plan,
         scale * LOG2E, window, batch, split_target, min_chunk,
