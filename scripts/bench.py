@@ -616,8 +616,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run each mode with the previous decode split (fixed chunks per batch size, "
                         "choose_num_splits) instead of chunks balanced over the live lengths; the balanced record "
                         "carries vs_legacy")
+    p.add_argument("--decode-knobs", default="", metavar="NAME=INT[,...]",
+                   help="set rollout.kernels.paged_decode's tuning constants for the whole run (A/B of a change "
+                        f"that is off by default): {', '.join(DECODE_KNOBS)}; every record carries decode_knobs")
     p.add_argument("--out", default=None)
     return p
+
+
+DECODE_KNOBS = ("V_PAGES", "FUSED_MERGE", "DECODE_WAVES", "MIN_CHUNK_TILES", "PROGRAMS_PER_SM", "FP8_DECODE_MAXNREG")
+
+
+def parse_decode_knobs(text: str) -> dict[str, int]:
+    """``NAME=INT,...`` -> {NAME: INT}; names from DECODE_KNOBS only."""
+    knobs: dict[str, int] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name not in DECODE_KNOBS:
+            raise ValueError(f"--decode-knobs item {item!r}: expected NAME=INT with NAME one of {DECODE_KNOBS}")
+        try:
+            knobs[name] = int(value)
+        except ValueError:
+            raise ValueError(f"--decode-knobs {name}={value!r}: the value must be an integer") from None
+    return knobs
+
+
+def apply_decode_knobs(knobs: dict[str, int]) -> None:
+    """Set the decode kernel module's constants (read at each call, so engines built later use them)."""
+    import rollout.kernels.paged_decode as pd
+
+    for name, value in knobs.items():
+        setattr(pd, name, bool(value) if isinstance(getattr(pd, name), bool) else value)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -629,6 +657,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown --workload {unknown}; allowed: {sorted(WORKLOADS) + list(MULTITURN)}")
     if args.preemptions and not args.kv_budget_fracs:
         p.error("--preemption compares preemption under a KV budget: give --kv-budget-frac too (e.g. 0.3)")
+    try:
+        args.decode_knobs = parse_decode_knobs(args.decode_knobs)
+    except ValueError as e:
+        p.error(str(e))
     if args.kv_budget_fracs and any(n in MULTITURN for n in names):
         p.error(f"--kv-budget-frac and --preemption apply to {sorted(WORKLOADS)}, not {list(MULTITURN)}")
     args.kv_cache_dtypes = args.kv_cache_dtype.split(",")
@@ -641,6 +673,7 @@ def main() -> None:
     configs = configs_of(args)
     if not torch.cuda.is_available():
         sys.exit("bench.py needs a CUDA GPU")
+    apply_decode_knobs(args.decode_knobs)
     bw = copy_bandwidth_tbps()
     peak = matmul_peak_tflops()
     print(f"copy bandwidth {bw:.2f} TB/s, bf16 GEMM peak {peak:.0f} TFLOP/s", flush=True)
@@ -692,6 +725,8 @@ def main() -> None:
                 recs.append(r)
         summary = config_ratios(recs, args.kv_cache_dtypes[0])
         for r in recs:
+            if args.decode_knobs:
+                r["decode_knobs"] = args.decode_knobs
             emit(r, args.out)
         if len(configs) > 1:
             print("\n".join(summary), flush=True)

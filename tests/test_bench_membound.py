@@ -195,3 +195,19 @@ def test_membound_sim_replays_a_tiny_workload(bench):
     assert tight["preemptions"] > 0 and tight["finished"] and tight["prefill_tokens"] > roomy["prefill_tokens"]
     swapped = sim.simulate(w, params, need // 3, need, 1000, "auto")
     assert swapped["swap_outs"] > 0 and swapped["prefill_tokens"] < tight["prefill_tokens"]
+
+
+def test_decode_knobs_parse_apply_and_refuse(bench, capsys, monkeypatch):
+    import rollout.kernels.paged_decode as pd
+
+    args = bench.parse_args(["--workload", "W2", "--decode-knobs", "V_PAGES=1,DECODE_WAVES=2"])
+    assert args.decode_knobs == {"V_PAGES": 1, "DECODE_WAVES": 2}
+    for name in args.decode_knobs:
+        monkeypatch.setattr(pd, name, getattr(pd, name))  # restored after the test
+    bench.apply_decode_knobs(args.decode_knobs)
+    assert pd.V_PAGES is True and pd.DECODE_WAVES == 2
+    assert pd.choose_split_target(2, 132) == 2 * pd.PROGRAMS_PER_SM * 132 // 2  # read at call time
+    for bad, msg in (("V_PAGE=1", "expected NAME=INT"), ("V_PAGES", "expected NAME=INT"), ("V_PAGES=yes", "integer")):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--decode-knobs", bad])
+        assert msg in capsys.readouterr().err

@@ -442,12 +442,13 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
-def choose_split_target(num_kv_heads: int, sms: int, waves: int = DECODE_WAVES) -> int:
+def choose_split_target(num_kv_heads: int, sms: int, waves: int | None = None) -> int:
     """Chunks per kv head to aim for: ``waves`` waves of PROGRAMS_PER_SM resident programs per SM.
 
     Several waves let the block scheduler even out chunks of unequal length (list scheduling ends
     within one chunk of the mean, and a chunk is at most 1/waves of a slot's mean share).
     """
+    waves = DECODE_WAVES if waves is None else waves
     return max(1, waves * PROGRAMS_PER_SM * sms // max(1, num_kv_heads))
 
 
