@@ -3,6 +3,8 @@
 #   call 1: source scripts/device_env.sh <commit>; bash bench/h200_issue23.sh kernels legacy w2       (~8 min)
 #   call 2: source scripts/device_env.sh <commit>; bash bench/h200_issue23.sh w2_512 w2mem           (~9 min)
 #   call 3: source scripts/device_env.sh <commit>; bash bench/h200_issue23.sh profile ncu            (~3 min)
+# KNOBS=V_PAGES=1,FUSED_MERGE=1 passes --decode-knobs to the scripts/bench.py stages (records and logs get a
+# _knobs suffix), e.g. KNOBS=V_PAGES=1 ... w2 for fp8 V page by page against the plain w2 stage.
 # Stages:
 #   kernels  decode kernels at W2's shapes: balanced / planned / planned_all_waves (the one-wave cut of even
 #            lengths off) / fp8 V copied page by page (v_pages) / fixed split (bench/kernels_bench.py)
@@ -15,6 +17,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
+KNOB_ARGS=(); SUFFIX=""
+if [ -n "${KNOBS:-}" ]; then KNOB_ARGS=(--decode-knobs "$KNOBS"); SUFFIX=_knobs; fi
 summary() {  # $1: jsonl; prints the fields that decide the issue's bars
   python3 - "$1" <<'PY'
 import json, sys
@@ -42,20 +46,20 @@ for stage in "$@"; do
       summary "$OUT/kernels.jsonl" ;;
     legacy)
       timeout 200 python3 scripts/bench.py --workload W1-short,W3 --modes async --compare-legacy --sampling t1 \
-        --out "$OUT/legacy.jsonl" > "$OUT/legacy.log" 2>&1
-      summary "$OUT/legacy.jsonl" ;;
+        "${KNOB_ARGS[@]}" --out "$OUT/legacy$SUFFIX.jsonl" > "$OUT/legacy$SUFFIX.log" 2>&1
+      summary "$OUT/legacy$SUFFIX.jsonl" ;;
     w2)
       timeout 330 python3 scripts/bench.py --workload W2 --modes async --kv-cache-dtype auto,fp8 --logprob-check 8 \
-        --sampling t1 --out "$OUT/w2.jsonl" > "$OUT/w2.log" 2>&1
-      summary "$OUT/w2.jsonl" ;;
+        --sampling t1 "${KNOB_ARGS[@]}" --out "$OUT/w2$SUFFIX.jsonl" > "$OUT/w2$SUFFIX.log" 2>&1
+      summary "$OUT/w2$SUFFIX.jsonl" ;;
     w2_512)
       timeout 200 python3 scripts/bench.py --workload W2 --modes async --max-num-seqs 512 --sampling t1 \
-        --out "$OUT/w2_512.jsonl" > "$OUT/w2_512.log" 2>&1
-      summary "$OUT/w2_512.jsonl" ;;
+        "${KNOB_ARGS[@]}" --out "$OUT/w2_512$SUFFIX.jsonl" > "$OUT/w2_512$SUFFIX.log" 2>&1
+      summary "$OUT/w2_512$SUFFIX.jsonl" ;;
     w2mem)
       timeout 360 python3 scripts/bench.py --workload W2-mem --modes async --kv-cache-dtype auto,fp8 \
-        --kv-budget-frac 0.3 --preemption swap,recompute --sampling t1 --out "$OUT/w2mem.jsonl" > "$OUT/w2mem.log" 2>&1
-      summary "$OUT/w2mem.jsonl" ;;
+        --kv-budget-frac 0.3 --preemption swap,recompute --sampling t1 "${KNOB_ARGS[@]}" --out "$OUT/w2mem$SUFFIX.jsonl" > "$OUT/w2mem$SUFFIX.log" 2>&1
+      summary "$OUT/w2mem$SUFFIX.jsonl" ;;
     profile)
       timeout 200 python3 bench/step_profile.py --kv auto,fp8 --out "$OUT/step_profile.jsonl" 2>&1 | tail -9 ;;
     ncu)
