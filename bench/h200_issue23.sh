@@ -43,7 +43,11 @@ for stage in "$@"; do
     kernels)
       timeout 150 python3 bench/kernels_bench.py --preset qwen2.5-1.5b --lengths long-tail --batches 32,128,256,512 \
         --ctxs 16384 --kv bf16,fp8 --no-prefill --compare-legacy > "$OUT/kernels.jsonl" 2> "$OUT/kernels.err"
-      summary "$OUT/kernels.jsonl" ;;
+      summary "$OUT/kernels.jsonl"
+      # even lengths (W2's tail, W1-short, W3): the one-wave cut (planned) against four waves (planned_all_waves)
+      timeout 100 python3 bench/kernels_bench.py --preset qwen2.5-1.5b --lengths uniform --batches 16,64 \
+        --ctxs 1024,12288 --kv bf16,fp8 --no-prefill --compare-legacy > "$OUT/kernels_even.jsonl" 2>> "$OUT/kernels.err"
+      summary "$OUT/kernels_even.jsonl" ;;
     legacy)
       timeout 200 python3 scripts/bench.py --workload W1-short,W3 --modes async --compare-legacy --sampling t1 \
         "${KNOB_ARGS[@]}" --out "$OUT/legacy$SUFFIX.jsonl" > "$OUT/legacy$SUFFIX.log" 2>&1
