@@ -192,6 +192,21 @@ def load_v_tile(v_ptr, blk, slot, pos, seq_len, kvh, ok, offs_d, stride_vb, stri
 
 
 @triton.jit
+def load_v_pages(v_ptr, bt_row, t, kvh, offs_d, stride_vb, stride_vs, stride_vh, stride_vd, PAGE: tl.constexpr,
+                 BLOCK_N: tl.constexpr):  # fmt: skip
+    """Token-contiguous V of key tile ``t`` (every page written: not the tail tile) as [D, BLOCK_N], copied page
+    by page: a [D, pages, PAGE] load puts the copy's lanes along D, so one instruction reads 32 dims of one page
+    (512 contiguous bytes), where ``load_v_tile``'s [D, BLOCK_N] spreads them over pages."""
+    NP: tl.constexpr = BLOCK_N // PAGE
+    offs_p = tl.arange(0, NP)
+    offs_t = tl.arange(0, PAGE)
+    pblk = tl.load(bt_row + t * NP + offs_p).to(tl.int64)
+    base = tl.multiple_of(pblk * stride_vb + kvh * stride_vh, PAGE)
+    v3 = tl.load(v_ptr + offs_d[:, None, None] * stride_vd + base[None, :, None] + offs_t[None, None, :] * stride_vs)
+    return tl.reshape(v3, (offs_d.shape[0], BLOCK_N))
+
+
+@triton.jit
 def v_operand(v, ok, V_TRANS: tl.constexpr, TAIL: tl.constexpr):
     """A converted ``load_v_tile`` as the PV dot's [BLOCK_N, D] operand: the tail tile's stale slots
     zeroed, token-contiguous V transposed."""

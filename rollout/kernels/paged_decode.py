@@ -38,6 +38,7 @@ from rollout.kernels.paged_common import (  # noqa: F401 - re-exported for calle
     is_fp8,
     kv_args,
     kv_shape,
+    load_v_pages,
     load_v_tile,
     scale_offsets,
     to_dot16,
@@ -166,14 +167,7 @@ def _decode_tile_t(
     p = tl.exp2(s - m_new[None, :])
     l_i = l_i * alpha + tl.sum(p, 0)
     if V_PAGES and V_TRANS and not TAIL:  # page by page: each copy instruction reads one page's dims in a row
-        NP: tl.constexpr = BLOCK_N // PAGE
-        offs_p = tl.arange(0, NP)
-        offs_t = tl.arange(0, PAGE)
-        pblk = tl.load(bt_row + t * NP + offs_p).to(tl.int64)
-        base = tl.multiple_of(pblk * stride_vb + kvh * stride_vh, PAGE)
-        v3 = tl.load(v_ptr + offs_d[:, None, None] * stride_vd + base[None, :, None]
-                     + offs_t[None, None, :] * stride_vs)  # [D, pages, PAGE]: lanes along D, 16 tokens each
-        v = tl.reshape(v3, (offs_d.shape[0], BLOCK_N))
+        v = load_v_pages(v_ptr, bt_row, t, kvh, offs_d, stride_vb, stride_vs, stride_vh, stride_vd, PAGE, BLOCK_N)
     else:
         v = load_v_tile(v_ptr, blk, slot, pos, seq_len, kvh, ok, offs_d, stride_vb, stride_vs, stride_vh, stride_vd,
                         PAGE, V_TRANS, TAIL)  # fmt: skip
