@@ -382,3 +382,41 @@ def test_train_ppo_script_over_a_pool(pool, tmp_path) -> None:
         assert x["rollout/pool/alive"] == 2 and x["rollout/generated_tokens"] > 0
         assert all(x[f"rollout/pool/replica_{i}/alive"] == 1 for i in (0, 1))
         assert sum(x[f"rollout/pool/replica_{i}/round_tokens_per_s"] for i in (0, 1)) > 0
+
+
+def test_a_refused_push_returns_only_once_every_replica_is_done_with_it() -> None:
+    """A replica posts its refusal verdict and only then returns from its receive call (freeing its receiver):
+    the sender must wait for that, or its next push meets the replica still inside this one ('a weight transfer
+    is already in progress', seen in CI). Fake Ray: each answer finishes only while the sender waits for it."""
+    from types import SimpleNamespace
+
+    from rollout.pool.transfer import PoolTransfer
+
+    class TaskError(Exception):
+        def __init__(self, cause: BaseException) -> None:
+            self.cause = cause
+
+        def as_instanceof_cause(self) -> BaseException:
+            return self.cause
+
+    class Answer:
+        done = False
+
+    class FakeRay:
+        exceptions = SimpleNamespace(RayActorError=RuntimeError, RayTaskError=TaskError)
+
+        def wait(self, refs, num_returns, timeout):
+            if timeout:  # the replica finishes its call while someone waits for it
+                for r in refs:
+                    r.done = True
+            ready = [r for r in refs if r.done]
+            return ready, [r for r in refs if not r.done]
+
+        def get(self, ref):
+            raise TaskError(ValueError("version must be an int in [7, 2**63), got True"))
+
+    transfer = PoolTransfer(SimpleNamespace(ray=FakeRay(), members=[]), timeout_s=5.0)
+    answers = [Answer(), Answer()]
+    with pytest.raises(ValueError, match="got True"):
+        transfer.refused(answers)
+    assert all(a.done for a in answers)

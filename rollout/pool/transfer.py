@@ -29,6 +29,8 @@ from rollout.weights.handles import export_weights
 from rollout.weights.layout import BUCKET_BYTES, TensorSpec, specs_of
 from rollout.weights.sender import WeightSender
 
+SETTLE_S = 30.0  # how long a failed push waits for every replica to be done with it
+
 
 class PoolTransfer:
     def __init__(self, pool: Any, timeout_s: float) -> None:  # pool: the RolloutPool that owns this
@@ -128,11 +130,18 @@ class PoolTransfer:
         return not self.pool.ray.wait(refs, num_returns=len(refs), timeout=0)[0]
 
     def refused(self, refs: list[Any]) -> None:
+        self._settle(refs)  # a refusing replica returns right after its verdict: the next push must not meet it
         self._raise_first(refs)
 
     def broken(self, refs: list[Any]) -> None:
-        self.pool.ray.wait(refs, num_returns=len(refs), timeout=30)
+        self._settle(refs)
         self._raise_first(refs)  # a replica's death (RayActorError) says why the transport broke
+
+    def _settle(self, refs: list[Any]) -> None:
+        """Wait (bounded) until every replica is done with this push. A replica posts its refusal before its call
+        returns and frees its receiver; a push announced in between was refused as 'already in progress' (seen
+        in CI: the pool's bad-version pushes back to back)."""
+        self.pool.ray.wait(refs, num_returns=len(refs), timeout=SETTLE_S)
 
     def _gather(self, refs: list[Any]) -> list[int]:
         """Every replica's new version; a replica's own refusal (or death) is raised as itself."""

@@ -38,7 +38,9 @@ class Receivers(Protocol):
         """False once a receiver answered before its verdict (its request failed)."""
 
     def refused(self, answers: Any) -> None:
-        """Raise the receivers' own reason for a refused (or verdict-less) push, when they have one."""
+        """Raise the receivers' own reason for a refused (or verdict-less) push, when they have one; return only
+        once every receiver is done with the push (or a bound passed), so that the next push cannot find one
+        still inside this one."""
 
     def broken(self, answers: Any) -> None:
         """Raise the receivers' own reason for a transport that broke mid-push (a death), when they have one."""
