@@ -30,6 +30,7 @@ class EngineConfig:
     tp_all_reduce: str = "nccl"  # "symm_mem": opt-in one-shot all-reduce for decode-sized tensors (CUDA, TP > 1)
     turn_prefill_hold_steps: int = 0  # a conversation's environment reply waits <= this many steps to batch (turns.py)
     turn_rows_max_tokens: int = 0  # an environment reply of <= this many tokens runs as decode rows (graphs); 0 = off
+    max_num_rows: int | None = None  # a step's rows (a sequence's, plus replies' rows); None: num_rows's default
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch_size"):
@@ -40,9 +41,12 @@ class EngineConfig:
         rows = self.turn_rows_max_tokens
         if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= 4096:
             raise ValueError(f"turn_rows_max_tokens must be an int in [0, 4096] (0 = off), got {rows!r}")
-        for name in ("max_model_len", "num_blocks"):
+        for name in ("max_model_len", "num_blocks", "max_num_rows"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
+        if self.max_num_rows is not None and self.max_num_rows < self.max_num_seqs:
+            raise ValueError(f"max_num_rows must be at least max_num_seqs ({self.max_num_seqs}): every running "
+                             f"sequence takes a row, got {self.max_num_rows}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -83,6 +87,13 @@ class EngineConfig:
         if self.tp_all_reduce == "symm_mem" and self.tensor_parallel_size == 1:
             raise ValueError("tp_all_reduce='symm_mem' needs tensor_parallel_size > 1 (and CUDA devices); "
                              "with one rank there is nothing to all-reduce, use 'nccl'")
+
+    @property
+    def num_rows(self) -> int:
+        """The most rows a step computes: one per running sequence plus the extra one-token rows of
+        environment replies (``turn_rows_max_tokens``), so a reply landing while ``max_num_seqs`` sequences
+        decode is computed in one step instead of dripping a row per step."""
+        return self.max_num_rows if self.max_num_rows is not None else self.max_num_seqs + self.turn_rows_max_tokens
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

@@ -77,15 +77,37 @@ def test_replies_run_as_decode_rows_with_the_prefill_paths_tokens_and_logprobs(h
 
 
 def test_rows_never_displace_decoding_sequences(hf):
-    """max_num_seqs 4: three conversations and the decoder fill it, so a reply gets one row per step (drip),
-    and the decoder is in every step."""
-    got, plans, decoder = _conversations(hf, 64, max_num_seqs=4)
+    """max_num_seqs = max_num_rows = 4: three conversations and the decoder fill it, so a reply gets one row per
+    step (drip), and the decoder is in every step."""
+    got, plans, decoder = _conversations(hf, 64, max_num_seqs=4, max_num_rows=4)
     ref, _, _ = _conversations(hf, 0, max_num_seqs=4)
     assert [ids for ids, _ in got] == [ids for ids, _ in ref]
     for p in plans:
         assert len(p.seqs) <= 4 and p.decode_only
     live = [p for p in plans if any(s.seq_id == decoder for s in p.seqs)]
     assert len(live) >= len(plans) - 1  # every step until the decoder's last one
+
+
+def test_a_reply_beside_max_num_seqs_decoders_takes_the_rows_above_them(hf):
+    """max_num_seqs 4 filled by three conversations and the decoder: by default (max_num_rows = max_num_seqs +
+    turn_rows_max_tokens) a reply's rows go in one step above the four sequences' rows, not a row per step."""
+    got, plans, decoder = _conversations(hf, 64, max_num_seqs=4)
+    drip, drip_plans, _ = _conversations(hf, 64, max_num_seqs=4, max_num_rows=4)
+    assert [ids for ids, _ in got] == [ids for ids, _ in drip]
+    assert max(len(p.seqs) for p in plans) > 4 and all(len(p.seqs) <= 4 + 64 for p in plans)
+    assert all(p.decode_only for p in plans)
+    assert all(len({s.seq_id for s in p.seqs}) <= 4 for p in plans)  # max_num_seqs still caps the sequences
+    assert len(plans) < len(drip_plans)
+    live = [p for p in plans if any(s.seq_id == decoder for s in p.seqs)]
+    assert len(live) >= len(plans) - 1
+
+
+def test_max_num_rows_is_checked():
+    assert EngineConfig(max_num_seqs=8, turn_rows_max_tokens=64).num_rows == 72
+    assert EngineConfig(max_num_seqs=8, max_num_rows=12).num_rows == 12
+    for bad in (4, 0, -1, True, 2.5):
+        with pytest.raises((ValueError, TypeError), match="max_num_rows"):
+            EngineConfig(max_num_seqs=8, max_num_rows=bad)
 
 
 def test_rows_per_step_are_capped_by_context(hf, monkeypatch):
@@ -114,10 +136,11 @@ def test_turn_rows_max_tokens_is_checked():
 
 @pytest.mark.parametrize("async_mode", [False, True])
 def test_a_conversation_aborted_mid_reply_frees_its_blocks_and_the_others_go_on(hf, async_mode):
-    """max_num_seqs 4 makes the replies drip a row per step; aborting one halfway through its reply (rows of it
-    in flight in async mode) frees its blocks, and the other conversations end as they do without it."""
+    """max_num_seqs = max_num_rows = 4 makes the replies drip a row per step; aborting one halfway through its
+    reply (rows of it in flight in async mode) frees its blocks, and the other conversations end as they do
+    without it."""
     def run(abort: bool):
-        engine = _engine(hf, 64, max_num_seqs=4, async_mode=async_mode)
+        engine = _engine(hf, 64, max_num_seqs=4, max_num_rows=4, async_mode=async_mode)
         conv = Conversations(engine)
         rids = [conv.start([3 + i, 7, 11, 13, 17], TURN, f"c{i}") for i in range(3)]
         engine.add_request([5, 9, 2], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), "decoder")

@@ -77,7 +77,7 @@ class Engine:
             detokenize = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # type: ignore[attr-defined]
         self.scheduler = Scheduler(
             SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, config.turn_prefill_hold_steps,
-                            config.turn_rows_max_tokens),
+                            config.turn_rows_max_tokens, config.num_rows),
             self.block_manager, detokenize
         )
         self.runner: Runner = self._make_runner()

@@ -40,6 +40,11 @@ class SchedulerLimits:
     max_num_batched_tokens: int
     turn_prefill_hold_steps: int = 0  # a resumed conversation's given tokens wait up to this many steps (turns.py)
     turn_rows_max_tokens: int = 0  # given tokens up to this many are computed as one-token decode rows (0 = off)
+    max_num_rows: int = 0  # rows of a step: one per sequence plus replies' extra rows (0 = max_num_seqs)
+
+    @property
+    def rows(self) -> int:
+        return max(self.max_num_rows, self.max_num_seqs)
 
 
 class Scheduler:
@@ -70,7 +75,7 @@ class Scheduler:
         self._swapped_now: list[Sequence] = []
         self._step_id = 0
         self._rows: dict[int, int] = {}  # this step's sequences computed as decode rows: seq_id -> rows
-        self._extra_rows = 0  # rows beyond one per chosen sequence (they count against max_num_seqs)
+        self._extra_rows = 0  # rows beyond one per chosen sequence (they count against limits.rows)
         self.parked: dict[str, Request] = {}  # multi-turn requests between turns, KV kept (engine/turns.py)
         self.num_prefill_tokens = 0  # tokens computed that were not the newest sample (prompt, env, recompute)
 
@@ -130,7 +135,7 @@ class Scheduler:
         self._rows, self._extra_rows = {}, 0
         running = list(self.running)
         for i, seq in enumerate(running):
-            if len(chosen) + self._extra_rows >= self.limits.max_num_seqs or budget == 0:
+            if not self._room(chosen) or budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -142,7 +147,7 @@ class Scheduler:
                 continue
             rows = n > 1 and self._as_rows(seq)
             if rows:  # one row each, as many as fit beside one for every running sequence after it
-                room = self.limits.max_num_seqs - len(chosen) - self._extra_rows - (len(running) - i - 1)
+                room = self.limits.rows - len(chosen) - self._extra_rows - (len(running) - i - 1)
                 n = max(1, min(n, room, TURN_ROWS_CONTEXT // (seq.num_computed_tokens + n)))
             if n == 1 and self._fits_in_last_block(seq):
                 chosen.append((seq, 1))  # the common decode step: no block-manager work at all
@@ -180,12 +185,16 @@ class Scheduler:
         """Held given tokens join a step that computes more than one token for some sequence anyway (so runs
         eagerly, not from a decode graph), or one that would otherwise have nothing to run."""
         for seq in held:
-            n = self._num_new_tokens(seq, budget) if len(chosen) + self._extra_rows < self.limits.max_num_seqs else 0
+            n = self._num_new_tokens(seq, budget) if self._room(chosen) else 0
             if n and self.block_manager.can_append(seq, n):
                 copies += self.block_manager.append_slots(seq, n)
                 chosen.append((seq, n))
                 budget -= n
         return budget
+
+    def _room(self, chosen: list[tuple[Sequence, int]]) -> bool:
+        """Another sequence fits in this step: under ``max_num_seqs`` sequences and under the rows cap."""
+        return len(chosen) < self.limits.max_num_seqs and len(chosen) + self._extra_rows < self.limits.rows
 
     def _watermark(self, chosen: list[tuple[Sequence, int]]) -> int:
         """Blocks to keep free: one per chosen sequence whose next ``WATERMARK_STEPS`` tokens leave its table."""
@@ -210,7 +219,7 @@ class Scheduler:
         bm = self.block_manager
         reserve = self._watermark(chosen)  # kept up to date as sequences are admitted
         for seq in list(self.waiting):
-            if len(chosen) + self._extra_rows >= self.limits.max_num_seqs or budget == 0:
+            if not self._room(chosen) or budget == 0:
                 break
             if seq.num_inflight:
                 continue  # preempted with a sample still in flight; re-admit once it lands

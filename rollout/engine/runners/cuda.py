@@ -91,14 +91,14 @@ class CudaPendingStep:
 
 class CudaRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCache, block_size: int,
-                 attn_backend: object, device: torch.device, *, max_num_seqs: int,
+                 attn_backend: object, device: torch.device, *, max_num_seqs: int, max_num_rows: int,
                  max_num_batched_tokens: int, max_model_len: int, cuda_graphs: bool,
                  max_graph_batch_size: int) -> None:
         self.model, self.kv, self.block_size = model, kv, block_size
         self.attn_backend, self.device = attn_backend, device
         self.shape = SlotShape(
-            max_tokens=max(max_num_batched_tokens, max_num_seqs), max_seqs=max_num_seqs,
-            max_blocks=-(-max_model_len // block_size), max_suppress=16, max_copies=max_num_seqs,
+            max_tokens=max(max_num_batched_tokens, max_num_rows), max_seqs=max_num_rows,
+            max_blocks=-(-max_model_len // block_size), max_suppress=16, max_copies=max_num_rows,
         )
         self.slots = [IOSlot(i, self.shape, device) for i in range(2)]
         self.h2d = torch.cuda.Stream(device)
@@ -106,7 +106,7 @@ class CudaRunner:
         self.d2h = torch.cuda.Stream(device)
         self.cuda_graphs = cuda_graphs
         self.mixed_decode = attn_backend.uses_decode_rows
-        self.graph_sizes = graph_sizes(max_graph_batch_size, max_num_seqs)
+        self.graph_sizes = graph_sizes(max_graph_batch_size, max_num_rows)
         self.graphs: dict[tuple[int, int, tuple[bool, ...]], torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
         self._next_slot = 0

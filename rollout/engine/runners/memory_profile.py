@@ -126,8 +126,8 @@ def decode_rows(config: EngineConfig, graphs: bool) -> tuple[int, int]:
     """(rows of the eager decode step to measure, rows of the largest captured graph or 0). Both are
     measured and added even when graphs cover every batch size up to ``max_num_seqs``: a step whose
     suppressed ids outgrow the graphs' table still decodes eagerly, and graphs allocate from their own pool."""
-    graph_b = graph_sizes(config.max_graph_batch_size, config.max_num_seqs)[-1] if graphs else 0
-    return config.max_num_seqs, graph_b
+    graph_b = graph_sizes(config.max_graph_batch_size, config.num_rows)[-1] if graphs else 0
+    return config.num_rows, graph_b
 
 
 @torch.inference_mode()
