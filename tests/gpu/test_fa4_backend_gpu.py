@@ -121,7 +121,13 @@ def test_engine_fa4_matches_triton_greedy():
     """Same greedy tokens (up to near-ties of bf16 noise) and logprobs as the Triton engine, each as close to HF's
     bf16 logprobs as the other. Block size 128 (auto's FA4 page); max_num_batched_tokens 384 chunks the long
     prompts (prefill after a cached prefix), groups of n=2 share their prompt (prefix hits), and staggered
-    lengths give mixed steps with decode rows."""
+    lengths give mixed steps with decode rows.
+
+    The random-init model's distributions are nearly flat, so bf16 noise flips many greedy near-ties: a divergence
+    must be at a near-tie (|dlogprob| < 0.1 there), but how many there are is printed beside the Triton engine's
+    own count when chunked differently (max_num_batched_tokens 256), not bounded (on the H200 at 982d2c7 FA4
+    diverged in 40 of 80 sequences, every one at a near-tie, mean |dlogprob| 0.0022, against a bound of 8 that
+    was a guess written without a GPU). Each engine's logprobs against HF's bf16 forward decide."""
     hf = _hf()
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(8, 900, (40,), generator=g).tolist()
@@ -135,24 +141,32 @@ def test_engine_fa4_matches_triton_greedy():
         assert eng.attn.backend == backend
         runs[backend] = eng.generate(prompts, sp)
         del eng
+    eng = Engine.from_pretrained(hf, attention_backend="triton", **{**opts, "max_num_batched_tokens": 256})
+    noise = eng.generate(prompts, sp)  # the Triton path's own bf16 noise: other chunk splits
+    del eng
     auto = Engine.from_pretrained(hf, **opts)
     assert auto.attn.backend == "fa4"  # auto at block_size 128 with flash-attn-4 installed
     del auto
-    same = total = diverged = 0
-    lp_diff = []
-    for a, b in zip(runs["triton"], runs["fa4"]):
-        for ca, cb in zip(a.outputs, b.outputs):
-            ta, tb, la, lb = ca.token_ids, cb.token_ids, ca.logprobs, cb.logprobs
-            k = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
-            lp_diff += [abs(x - y) for x, y in zip(la[:k], lb[:k])]
-            if k < len(ta):
-                diverged += 1
-                assert abs(la[k] - lb[k]) < 0.1, f"FA4 and Triton disagree at a non-tie: {la[k]} vs {lb[k]}"
-            same += k
-            total += len(ta)
-    mean = sum(lp_diff) / len(lp_diff)
-    print(f"fa4 vs triton: identical prefix {same / total:.4f}, {diverged} divergences, mean |dlogprob| {mean:.5f}")
-    assert mean < 0.01 and diverged <= 8
+    def compare(xs, ys, what):
+        same = total = diverged = 0
+        lp_diff = []
+        for a, b in zip(xs, ys):
+            for ca, cb in zip(a.outputs, b.outputs):
+                ta, tb, la, lb = ca.token_ids, cb.token_ids, ca.logprobs, cb.logprobs
+                k = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
+                lp_diff += [abs(x - y) for x, y in zip(la[:k], lb[:k])]
+                if k < len(ta):
+                    diverged += 1
+                    assert abs(la[k] - lb[k]) < 0.1, f"{what} disagree at a non-tie: {la[k]} vs {lb[k]}"
+                same += k
+                total += len(ta)
+        mean = sum(lp_diff) / len(lp_diff)
+        print(f"{what}: identical prefix {same / total:.4f}, {diverged} divergences, mean |dlogprob| {mean:.5f}")
+        return diverged, mean
+
+    _, mean = compare(runs["triton"], runs["fa4"], "fa4 vs triton")
+    compare(runs["triton"], noise, "triton vs triton (other chunks)")  # printed: the scale of bf16 noise here
+    assert mean < 0.01  # every divergence is at a near-tie (compare asserts it); the gate is HF's logprobs below
     with torch.no_grad():  # each against HF's bf16 forward: FA4 no further off than Triton
         err = {}
         for backend, outs in runs.items():
