@@ -16,7 +16,8 @@ same run, each on a fresh engine:
 - ``turn_sync_nocache``: the same with the prefix cache off (every turn re-prefills the whole conversation).
 - ``env_loop_hold<K>`` / ``env_loop_rows<K>``: the engine loop with ``engine.turn_prefill_hold_steps=K`` (replies
   wait up to K steps to be prefilled together) or ``engine.turn_rows_max_tokens=K`` (replies of up to K tokens
-  computed as one-token decode rows, so the step stays a decode-graph replay).
+  computed as one-token decode rows, so the step stays a decode-graph replay); ``env_loop_rows<K>_burst`` also
+  sets ``engine.max_num_rows`` to the conversations + K, so a reply beside a full batch goes in one step.
 
 ``--turn-lengths geometric`` (workload ``W4-geo``): a turn ends at a stop token instead of after exactly 256
 tokens, as an agent's turns do: 1/256 of the vocabulary are stop ids, so on the random-init model (a nearly
@@ -126,13 +127,14 @@ def build_model(w: dict, device: str) -> torch.nn.Module:
 
 
 def make_engine(hf: torch.nn.Module, w: dict, device: str, prefix_cache: bool = True, hold: int = 0,
-                rows: int = 0) -> Engine:
+                rows: int = 0, burst: bool = False) -> Engine:
     per_conv = w["prompt_len"] + w["turns"] * w["turn_tokens"] + (w["turns"] - 1) * w["reply"][1] + 16
     blocks = int(w["conversations"] * -(-per_conv // 16) * 1.1) + 64
     eng = Engine.from_pretrained(hf, dtype="float32" if device == "cpu" else "bfloat16", device=device,
                                  max_model_len=per_conv + 16, max_num_seqs=w["conversations"], num_blocks=blocks,
                                  block_size=16, enable_prefix_caching=prefix_cache, turn_prefill_hold_steps=hold,
-                                 turn_rows_max_tokens=rows)
+                                 turn_rows_max_tokens=rows,
+                                 max_num_rows=w["conversations"] + rows if burst else None)
     warm = [[1] * 8] * w["conversations"]
     eng.generate(warm, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
     for b in sorted(getattr(eng.runner, "graph_sizes", []) or [], reverse=True):  # capture every decode size
@@ -221,8 +223,9 @@ def _profiled(enabled: bool, fn, *args) -> tuple[object, list | None]:
 
 def measure(mode: str, hf: torch.nn.Module, w: dict, device: str, prof: bool = False) -> dict:
     hold = int(mode.removeprefix("env_loop_hold")) if mode.startswith("env_loop_hold") else 0
-    rows = int(mode.removeprefix("env_loop_rows")) if mode.startswith("env_loop_rows") else 0
-    eng = make_engine(hf, w, device, prefix_cache=mode != "turn_sync_nocache", hold=hold, rows=rows)
+    burst = mode.endswith("_burst")
+    rows = int(mode.removeprefix("env_loop_rows").removesuffix("_burst")) if mode.startswith("env_loop_rows") else 0
+    eng = make_engine(hf, w, device, prefix_cache=mode != "turn_sync_nocache", hold=hold, rows=rows, burst=burst)
     before = eng.get_stats()
     clock = getattr(eng.runner, "clock", None)  # CUDA: per-step records (graph replay or eager)
     if clock is not None:
@@ -315,7 +318,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (a smoke run of both modes)")
     p.add_argument("--modes", default="env_loop,env_loop_hold8,turn_sync,turn_sync_nocache",
                    help="env_loop_hold<K>: the engine loop with engine.turn_prefill_hold_steps=K; "
-                        "env_loop_rows<K>: with engine.turn_rows_max_tokens=K (replies as decode rows)")
+                        "env_loop_rows<K>: with engine.turn_rows_max_tokens=K (replies as decode rows); "
+                        "env_loop_rows<K>_burst: and max_num_rows = conversations + K (a reply in one step)")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", action="store_true", help="run each mode under torch.profiler: its top kernels")
     p.add_argument("--turn-lengths", default="fixed", choices=("fixed", "geometric"),

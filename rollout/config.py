@@ -30,7 +30,7 @@ class EngineConfig:
     tp_all_reduce: str = "nccl"  # "symm_mem": opt-in one-shot all-reduce for decode-sized tensors (CUDA, TP > 1)
     turn_prefill_hold_steps: int = 0  # a conversation's environment reply waits <= this many steps to batch (turns.py)
     turn_rows_max_tokens: int = 0  # an environment reply of <= this many tokens runs as decode rows (graphs); 0 = off
-    max_num_rows: int | None = None  # a step's rows (a sequence's, plus replies' rows); None: num_rows's default
+    max_num_rows: int | None = None  # a step's rows (one per sequence, plus replies' rows); None = max_num_seqs
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch_size"):
@@ -90,10 +90,12 @@ class EngineConfig:
 
     @property
     def num_rows(self) -> int:
-        """The most rows a step computes: one per running sequence plus the extra one-token rows of
-        environment replies (``turn_rows_max_tokens``), so a reply landing while ``max_num_seqs`` sequences
-        decode is computed in one step instead of dripping a row per step."""
-        return self.max_num_rows if self.max_num_rows is not None else self.max_num_seqs + self.turn_rows_max_tokens
+        """The most rows a step computes: one per running sequence plus extra one-token rows of environment
+        replies (``turn_rows_max_tokens``). Above ``max_num_seqs``, a reply landing while ``max_num_seqs``
+        sequences decode is computed in one step instead of dripping in a row per step; off by default: on the
+        H200 (fixed W4, 982d2c7) bursts of rows cost more than the steps they save (0.75x turn-synchronous
+        against 0.88x dripping)."""
+        return self.max_num_rows if self.max_num_rows is not None else self.max_num_seqs
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

@@ -89,10 +89,10 @@ def test_rows_never_displace_decoding_sequences(hf):
 
 
 def test_a_reply_beside_max_num_seqs_decoders_takes_the_rows_above_them(hf):
-    """max_num_seqs 4 filled by three conversations and the decoder: by default (max_num_rows = max_num_seqs +
-    turn_rows_max_tokens) a reply's rows go in one step above the four sequences' rows, not a row per step."""
-    got, plans, decoder = _conversations(hf, 64, max_num_seqs=4)
-    drip, drip_plans, _ = _conversations(hf, 64, max_num_seqs=4, max_num_rows=4)
+    """max_num_seqs 4 filled by three conversations and the decoder: with max_num_rows 68 a reply's rows go in one
+    step above the four sequences' rows; by default (max_num_rows = max_num_seqs) a row per step."""
+    got, plans, decoder = _conversations(hf, 64, max_num_seqs=4, max_num_rows=68)
+    drip, drip_plans, _ = _conversations(hf, 64, max_num_seqs=4)
     assert [ids for ids, _ in got] == [ids for ids, _ in drip]
     assert max(len(p.seqs) for p in plans) > 4 and all(len(p.seqs) <= 4 + 64 for p in plans)
     assert all(p.decode_only for p in plans)
@@ -103,7 +103,7 @@ def test_a_reply_beside_max_num_seqs_decoders_takes_the_rows_above_them(hf):
 
 
 def test_max_num_rows_is_checked():
-    assert EngineConfig(max_num_seqs=8, turn_rows_max_tokens=64).num_rows == 72
+    assert EngineConfig(max_num_seqs=8, turn_rows_max_tokens=64).num_rows == 8
     assert EngineConfig(max_num_seqs=8, max_num_rows=12).num_rows == 12
     for bad in (4, 0, -1, True, 2.5):
         with pytest.raises((ValueError, TypeError), match="max_num_rows"):

@@ -61,8 +61,10 @@ SWAP_AB = {"16bit": False, "fp8": True}
 # Token-contiguous (fp8) V copied page by page in the swapped kernel (paged_decode_attention's v_pages): a [pages,
 # D, PAGE] load whose copy instructions each read 32 consecutive dims of one page (512 contiguous bytes), where the
 # [D, BLOCK_N] load spread a copy's lanes over several pages and moved twice the ideal L2 sectors (Nsight Compute
-# on the H200, docs/benchmarks.md 2026-12-03). Off until timed.
-V_PAGES = False
+# on the H200, docs/benchmarks.md 2026-12-03). On: W2 with fp8 KV, same run (H200, 982d2c7): 1.223x bf16's tok/s
+# against 1.119x without (e44d04c), mean decode compute 5.35 vs 5.72 ms, logprob gap 2.74x (bench/results/
+# h200_2026-12-03_w2_vpages_982d2c7.jsonl).
+V_PAGES = True
 # The last chunk of a split sequence merges its partials (an atomic counter per sequence and kv head) instead of a
 # second kernel per layer (paged_decode_attention's fused_merge). H200 at e44d04c, without a plan: 1.1% faster at
 # B=256, 1.1% slower at B=128 (bench/results/h200_2026-12-03_kern_e44d04c.jsonl); with a plan the counters are
