@@ -175,7 +175,7 @@ def test_a_rank_measures_its_step_memory_alone(monkeypatch):
     monkeypatch.setattr(memory_profile, "_step_peak", lambda m, *a: seen.append(m.tp.communicates) or 0)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     config = SimpleNamespace(attention_backend="torch", block_size=BLOCK_SIZE, kv_cache_dtype="auto",
-                             cuda_graphs=False, max_num_seqs=2, max_num_batched_tokens=8)
+                             cuda_graphs=False, max_num_seqs=2, num_rows=2, max_num_batched_tokens=8)
     attn = AttentionSpec("torch", BLOCK_SIZE, "auto")
     memory_profile.measure_step_workspace(model, config, attn, torch.device("cpu"), 16, caches)
     assert seen and not any(seen)
