@@ -3,8 +3,8 @@
 #   call 1: source scripts/device_env.sh <commit>; bash bench/h200_issue23.sh kernels legacy w2       (~8 min)
 #   call 2: source scripts/device_env.sh <commit>; bash bench/h200_issue23.sh w2_512 w2mem           (~9 min)
 #   call 3: source scripts/device_env.sh <commit>; bash bench/h200_issue23.sh profile ncu            (~3 min)
-# KNOBS=V_PAGES=1,FUSED_MERGE=1 passes --decode-knobs to the scripts/bench.py stages (records and logs get a
-# _knobs suffix), e.g. KNOBS=V_PAGES=1 ... w2 for fp8 V page by page against the plain w2 stage.
+# KNOBS=V_PAGES=0,FUSED_MERGE=1 passes --decode-knobs to the scripts/bench.py stages (records and logs get a
+# _knobs suffix), e.g. KNOBS=FUSED_MERGE=1 ... w2 against the plain w2 stage (V_PAGES is on by default since 1a04ee9).
 # Stages:
 #   kernels  decode kernels at W2's shapes: balanced / planned / planned_all_waves (the one-wave cut of even
 #            lengths off) / fp8 V copied page by page (v_pages) / fixed split (bench/kernels_bench.py)
