@@ -571,8 +571,10 @@ def paged_decode_attention(
         counters = plans.get(("counters", batch, hkv))
         if counters is None:
             counters = plans[("counters", batch, hkv)] = torch.zeros((batch, hkv), dtype=torch.int32, device=q.device)
-    else:
-        counters = torch.zeros((batch, hkv) if fused_merge else (1,), dtype=torch.int32, device=q.device)
+    elif fused_merge:
+        counters = torch.zeros((batch, hkv), dtype=torch.int32, device=q.device)
+    else:  # unread without the fused merge: no fill kernel per layer
+        counters = torch.empty((1,), dtype=torch.int32, device=q.device)
     _decode_split_kernel[(programs, hkv)](
         q, *ptrs, block_tables, seq_lens, out, part_o, part_lse, seq_info, counters, plan,
         scale * LOG2E, window, batch, split_target, min_chunk,

@@ -98,7 +98,7 @@ class CudaRunner:
         self.attn_backend, self.device = attn_backend, device
         self.shape = SlotShape(
             max_tokens=max(max_num_batched_tokens, max_num_rows), max_seqs=max_num_rows,
-            max_blocks=-(-max_model_len // block_size), max_suppress=16, max_copies=max_num_rows,
+            max_blocks=-(-max_model_len // block_size), max_suppress=16, max_copies=max_num_seqs,
         )
         self.slots = [IOSlot(i, self.shape, device) for i in range(2)]
         self.h2d = torch.cuda.Stream(device)
