@@ -166,3 +166,40 @@ def test_a_conversation_aborted_mid_reply_frees_its_blocks_and_the_others_go_on(
     got, bm = run(True)
     assert got == ref
     assert all(b.ref_count == 0 for b in bm.blocks), "a block is still held after every conversation ended"
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_a_conversation_aborted_with_its_burst_of_rows_in_flight_frees_its_blocks(hf, async_mode):
+    """max_num_rows above max_num_seqs: a reply's rows go in one step beside the full batch; aborting the
+    conversation right after that step is planned (its rows in flight in async mode) frees its blocks, and the
+    other conversations end as they do without it."""
+    def run(abort: bool):
+        engine = _engine(hf, 64, max_num_seqs=4, max_num_rows=68, async_mode=async_mode)
+        plans = _watch(engine)
+        conv = Conversations(engine)
+        rids = [conv.start([3 + i, 7, 11, 13, 17], TURN, f"c{i}") for i in range(3)]
+        engine.add_request([5, 9, 2], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), "decoder")
+        while len(engine.scheduler.parked) < len(rids):
+            engine.step()
+        c0 = engine.scheduler.parked["c0"].seqs[0].seq_id
+        while not conv.resume("c0", REPLY, TURN, 3):
+            engine.step()
+        plans.clear()
+        while not any(len([s for s in p.seqs if s.seq_id == c0]) > 1 for p in plans):
+            engine.step()  # until the step holding c0's burst of rows is planned
+        if abort:
+            conv.abort("c0")
+        for i, rid in enumerate(rids[1:], 1):
+            while not conv.resume(rid, [t + i for t in REPLY], TURN, 3):
+                engine.step()
+        while engine.has_unfinished_requests():
+            engine.step()
+        kept = {r: engine.scheduler.parked[r].seqs[0].token_ids for r in rids[1:]}
+        for r in list(engine.scheduler.parked):
+            conv.end(r)
+        return kept, engine.block_manager
+
+    ref, _ = run(False)
+    got, bm = run(True)
+    assert got == ref
+    assert all(b.ref_count == 0 for b in bm.blocks), "a block is still held after every conversation ended"
