@@ -108,7 +108,7 @@ def main() -> None:
         by_class: dict[str, float] = collections.Counter()
         for k, us in step.items():
             by_class[classify(k)] += us
-        top = sorted(step.items(), key=lambda kv: -kv[1])[:14]
+        top = sorted(step.items(), key=lambda kv: -kv[1])[:40]
         rec = dict(bench="step_profile", preset=args.preset, kv_cache_dtype=kv, batch=args.batch,
                    mean_ctx=round(sum(lens) / len(lens)), steps=args.steps, commit=bench._commit(),
                    step_kernel_ms=round(sum(step.values()) / 1e3, 3), step_wall_ms=round(wall_ms, 3),
