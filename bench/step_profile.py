@@ -58,7 +58,7 @@ def classify(name: str) -> str:
     return "other"
 
 
-def profile_kv(hf, prompts: list[list[int]], kv: str, args) -> tuple[dict[str, float], float]:
+def profile_kv(hf, prompts: list[list[int]], kv: str, args) -> tuple[dict[str, float], float, dict | None]:
     """One decode step's device time per kernel name (us) with ``kv_cache_dtype=kv``, and its wall (ms): every
     prompt is prefilled first (steps until the engine has computed them all), then ``--steps`` steps of the
     whole batch decoding (graph replays) run under the profiler."""
@@ -80,9 +80,24 @@ def profile_kv(hf, prompts: list[list[int]], kv: str, args) -> tuple[dict[str, f
             engine.step()
 
     times, wall = kernel_times(run)
+    mixed = None
+    if args.mixed:  # a new prompt joins the decoding batch: the mixed step runs eagerly (no decode graph)
+        gen = torch.Generator().manual_seed(1)
+        engine.add_request(torch.randint(100, 1000, (args.mixed,), generator=gen).tolist(), params)
+
+        def run_mixed() -> None:
+            for _ in range(3):  # the async engine's step() may return before the mixed step's kernels run
+                engine.step()
+
+        m_times, m_wall = kernel_times(run_mixed)
+        top = sorted(m_times.items(), key=lambda kv: -kv[1])[:25]
+        mixed = dict(mixed_prompt=args.mixed, three_steps_wall_ms=round(m_wall * 1e3, 3),
+                     three_steps_kernel_ms=round(sum(m_times.values()) / 1e3, 3),
+                     decode_step_wall_ms=round(wall / args.steps * 1e3, 3),
+                     top_ms=[(k[:90], round(v / 1e3, 4)) for k, v in top])  # fmt: skip
     while engine.has_unfinished_requests():
         engine.step()
-    return {k: v / args.steps for k, v in times.items()}, wall / args.steps * 1e3
+    return {k: v / args.steps for k, v in times.items()}, wall / args.steps * 1e3, mixed
 
 
 def main() -> None:
@@ -92,11 +107,17 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=16384, help="longest context; the others log-uniform from 512")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--kv", default="auto,fp8", help="comma list of kv_cache_dtype values")
+    p.add_argument("--mixed", type=int, default=0, metavar="TOKENS",
+                   help="also time the steps around a TOKENS-long prompt joining the batch (an eager mixed step)")
+    p.add_argument("--decode-knobs", default="", metavar="NAME=INT[,...]",
+                   help="rollout.kernels.paged_decode switches, as scripts/bench.py's (e.g. FUSED_MERGE=1)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("step_profile.py needs a CUDA GPU")
     bench = load_bench_script()
+    knobs = bench.parse_decode_knobs(args.decode_knobs) if args.decode_knobs else {}
+    bench.apply_decode_knobs(knobs)
     hf = bench.build_hf(args.preset)
     vocab = hf.config.vocab_size
     lens = long_tail_lens(args.batch, args.ctx, seed=args.batch)
@@ -104,7 +125,7 @@ def main() -> None:
     prompts = [torch.randint(100, vocab - 100, (n,), generator=gen).tolist() for n in lens]
     rows = {}
     for kv in args.kv.split(","):
-        step, wall_ms = profile_kv(hf, prompts, kv, args)
+        step, wall_ms, mixed = profile_kv(hf, prompts, kv, args)
         by_class: dict[str, float] = collections.Counter()
         for k, us in step.items():
             by_class[classify(k)] += us
@@ -113,7 +134,7 @@ def main() -> None:
                    mean_ctx=round(sum(lens) / len(lens)), steps=args.steps, commit=bench._commit(),
                    step_kernel_ms=round(sum(step.values()) / 1e3, 3), step_wall_ms=round(wall_ms, 3),
                    by_class_ms={k: round(v / 1e3, 3) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
-                   top_ms=[(k[:90], round(v / 1e3, 4)) for k, v in top])  # fmt: skip
+                   top_ms=[(k[:90], round(v / 1e3, 4)) for k, v in top], decode_knobs=knobs, mixed=mixed)  # fmt: skip
         rows[kv] = rec
         print(json.dumps(rec), flush=True)
         if args.out:

@@ -435,6 +435,7 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
         swap_ins=s1.num_swap_ins - s0.num_swap_ins, swapped_out_bytes=s1.swapped_out_bytes - s0.swapped_out_bytes,
         prefill_tokens=s1.num_prefill_tokens - s0.num_prefill_tokens, prefill_steps=len(pre),
         prefill_compute_s=round(sum(r.compute_ms for r in pre) / 1e3, 3),
+        prefill_step_ms=[[r.batch, round(r.compute_ms, 1)] for r in pre][:64],  # [sequences, compute ms] per step
         max_len_reached=max(len(c.token_ids) for o in outs for c in o.outputs),
         truncated=sum(len(c.token_ids) < sp.max_tokens for o, sp in zip(outs, params) for c in o.outputs),
     )

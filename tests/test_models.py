@@ -229,3 +229,15 @@ def test_bf16_build_keeps_rotary_float32():
     seqs = random_seqs([12], hf.config.vocab_size)
     logits = run_steps(model, seqs, [[10], [1], [1]])[0]
     assert (logits - hf_logits(hf, seqs[0])).abs().max().item() < 0.25  # bf16 rounding only
+
+
+def test_compute_logits_keeps_the_model_dtype_when_asked() -> None:
+    """``compute_logits(h, float32=False)`` hands the lm_head's own dtype to the fused sampler (no [N, vocab]
+    float32 copy per step); the default stays float32, equal to it converted."""
+    hf = make_tiny_hf_model("llama")
+    model = build_ours(hf).to(torch.bfloat16)
+    h = torch.randn(3, hf.config.hidden_size, dtype=torch.bfloat16)
+    with torch.no_grad():
+        raw, full = model.compute_logits(h, float32=False), model.compute_logits(h)
+    assert raw.dtype == torch.bfloat16 and full.dtype == torch.float32
+    assert torch.equal(raw.float(), full)

@@ -46,7 +46,8 @@ def check_same(logits: torch.Tensor, st: SamplingTensors, tol: float = 1e-5, **k
     from rollout.kernels.sampling import fused_sample
 
     ref_tok, ref_lp = sample_torch(logits, st)
-    tok, lp = fused_sample(logits, st, **(kw or SMALL))
+    kw = {"parts": 1, **(kw or SMALL)}  # the one-kernel path unless a check asks for parts
+    tok, lp = fused_sample(logits, st, **kw)
     assert torch.equal(tok, ref_tok), f"tokens differ at rows {(tok != ref_tok).nonzero().flatten().tolist()}"
     err = (lp - ref_lp).abs().max().item()
     assert err <= tol, f"logprob error {err:.3g} > {tol}: {lp.tolist()} vs {ref_lp.tolist()}"
@@ -208,6 +209,36 @@ def check_penalties() -> None:
     assert not torch.equal(sample_torch(logits, greedy)[0], logits.argmax(-1)), "penalties changed nothing"
 
 
+def check_split_parts() -> None:
+    """The first pass split into parts per row (merged by a second kernel): the reference's tokens and logprobs
+    for sampled and greedy rows in every mode, suppressed ids, penalties, winners and ties in different parts
+    (the lowest id wins across parts as within one), bf16 logits; filtered batches ignore ``parts``."""
+    logits = _logits(12, 300)
+    modes = ["policy", "raw", "processed"] * 4
+    temps = [0.7, 0.0, 1.3, 1.0] * 3
+    for parts in (2, 3, 5, 64):  # 64: capped at one block per part
+        check_same(logits, make_st(12, temperature=temps, mode=modes, needs_filter=False, seed0=parts), parts=parts,
+                   **SMALL)
+    check_same(logits.bfloat16(), make_st(12, temperature=temps, mode=modes, needs_filter=False), parts=3, **SMALL)
+    check_same(logits.bfloat16(), make_st(12, temperature=temps, mode=modes, needs_filter=False), parts=1, **SMALL)
+    ties = torch.zeros(2, 130)
+    ties[:, [5, 70, 129]] = 1.0  # one tied maximum in each of three parts
+    check_same(ties, make_st(2, temperature=0.0, all_greedy=True, suppress=[[-1], [5]]), parts=3, **SMALL)
+    sup = [[17, -1, -1], [17, 17, 5], [-1, -1, -1], [17, 500, 0], [3, -1, 17], [3, -1, -1]]
+    check_same(logits[:6], make_st(6, temperature=[0.0, 1.0, 0.5, 0.0, 2.0, 0.9], mode=modes[:6], suppress=sup,
+                                   needs_filter=False), parts=4, **SMALL)  # fmt: skip
+    st = make_st(8, temperature=[1.0, 0.0, 0.7, 1.2] * 2, mode=modes[:8], needs_filter=False)
+    st.penalties = _penalties(8, 300, [1.3, 0.7, 1.0, 2.0] * 2, [0.0, 1.5, -1.0, 0.5] * 2, [0.5, 0.0, 2.0, -0.3] * 2)
+    check_same(logits[:8], st, parts=3, **SMALL)
+    check_same(logits[:8], make_st(8, top_p=0.9, top_k=[0, 7] * 4, mode="processed"), parts=3, **LARGE)
+    from rollout.kernels.sampling import fused_sample, sample_parts
+
+    with pytest.raises(ValueError, match="parts"):
+        fused_sample(logits, make_st(12), parts=0)
+    assert sample_parts(128, 151936, 2048, 132) == 4 and sample_parts(1024, 151936, 2048, 132) == 1
+    assert sample_parts(1, 300, 64, 132) == 5  # never more parts than blocks
+
+
 CHECKS = {
     "noise_bit_identical": check_noise_bit_identical,
     "sampled_modes": check_sampled_modes,
@@ -218,6 +249,7 @@ CHECKS = {
     "tied_boundaries": check_tied_boundaries,
     "errors": check_errors,
     "penalties": check_penalties,
+    "split_parts": check_split_parts,
 }
 
 

@@ -73,9 +73,10 @@ def _race_key(s, offs, h, greedy, ALL_GREEDY: tl.constexpr):
 
 
 @triton.jit
-def _first_pass(row_ptr, V, inv, sup_row, hist_row, rep, pres, freq, h, greedy, need_raw,
+def _first_pass(row_ptr, lo, hi, V, inv, sup_row, hist_row, rep, pres, freq, h, greedy, need_raw,
                 NSUP: tl.constexpr, PEN: tl.constexpr, ALL_GREEDY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """Online (max, sum exp) of s over unsuppressed tokens, of x when ``need_raw``, and the race winner."""
+    """Over ids [lo, hi) (lo a multiple of BLOCK): online (max, sum exp) of s over unsuppressed tokens, of x when
+    ``need_raw``, and the race winner with its key (-inf and id 0 when no key beats -inf)."""
     ar = tl.arange(0, BLOCK)
     m = -3.0e38
     z = 0.0
@@ -83,7 +84,7 @@ def _first_pass(row_ptr, V, inv, sup_row, hist_row, rep, pres, freq, h, greedy, 
     z_raw = 0.0
     best = float("-inf")
     best_i = 0
-    for start in range(0, V, BLOCK):
+    for start in range(lo, hi, BLOCK):
         offs = start + ar
         x, s = _load_s(row_ptr, offs, V, inv, sup_row, hist_row, rep, pres, freq, NSUP, PEN)
         bmax = tl.max(s, 0)
@@ -99,7 +100,7 @@ def _first_pass(row_ptr, V, inv, sup_row, hist_row, rep, pres, freq, h, greedy, 
             if kmax > best:  # strictly: ties go to the lowest id, as torch.argmax
                 best = kmax
                 best_i = start + ki
-    return m, z, m_raw, z_raw, best_i
+    return m, z, m_raw, z_raw, best, best_i
 
 
 @triton.jit
@@ -245,16 +246,9 @@ def _filter(row_ptr, V, inv, sup_row, hist_row, rep, pres, freq, h, greedy, w, m
 
 
 @triton.jit
-def _sample_kernel(
-    logits_ptr, stride_row, V,
-    temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr, mode_ptr, sup_ptr, sup_stride,
-    tok_ptr, lp_ptr, hist_ptr, hist_stride, hrow_ptr, rep_ptr, pres_ptr, freq_ptr,
-    NSUP: tl.constexpr, PEN: tl.constexpr, FILTER: tl.constexpr, ALL_GREEDY: tl.constexpr,
-    BLOCK: tl.constexpr, SBLOCK: tl.constexpr, NT: tl.constexpr,
-):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_row
-    sup_row = sup_ptr + row * sup_stride
+def _row_setup(row, temp_ptr, seed_ptr, pos_ptr, mode_ptr, hist_ptr, hist_stride, hrow_ptr, rep_ptr, pres_ptr,
+               freq_ptr, PEN: tl.constexpr):  # fmt: skip
+    """A row's settings: (penalty history row, rep, pres, freq, 1/T, greedy, mode, need_raw, noise state)."""
     hist_row = hist_ptr
     rep = 1.0
     pres = 0.0
@@ -272,8 +266,15 @@ def _sample_kernel(
     if PEN:
         need_raw = mode == 2  # raw logprobs are of the unpenalised logits
     h = row_hash(tl.load(seed_ptr + row), tl.load(pos_ptr + row))
-    m, z, m_raw, z_raw, w = _first_pass(row_ptr, V, inv, sup_row, hist_row, rep, pres, freq, h, greedy, need_raw,
-                                        NSUP, PEN, ALL_GREEDY, BLOCK)
+    return hist_row, rep, pres, freq, inv, greedy, mode, need_raw, h
+
+
+@triton.jit
+def _row_finish(row, row_ptr, V, inv, sup_row, hist_row, rep, pres, freq, h, greedy, mode, need_raw,
+                m, z, m_raw, z_raw, w, topk_ptr, topp_ptr, minp_ptr, tok_ptr, lp_ptr,
+                NSUP: tl.constexpr, PEN: tl.constexpr, FILTER: tl.constexpr, ALL_GREEDY: tl.constexpr,
+                BLOCK: tl.constexpr, SBLOCK: tl.constexpr, NT: tl.constexpr):  # fmt: skip
+    """From the first pass's statistics and winner: the filters (if any), the token and its logprob."""
     # policy logprobs normalise over every token, suppressed ones included (their s, deduplicated)
     m_all = m
     z_all = z
@@ -304,6 +305,93 @@ def _sample_kernel(
     tl.store(lp_ptr + row, lp)
 
 
+@triton.jit
+def _sample_kernel(
+    logits_ptr, stride_row, V,
+    temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr, mode_ptr, sup_ptr, sup_stride,
+    tok_ptr, lp_ptr, hist_ptr, hist_stride, hrow_ptr, rep_ptr, pres_ptr, freq_ptr,
+    NSUP: tl.constexpr, PEN: tl.constexpr, FILTER: tl.constexpr, ALL_GREEDY: tl.constexpr,
+    BLOCK: tl.constexpr, SBLOCK: tl.constexpr, NT: tl.constexpr,
+):  # fmt: skip
+    """One program per row: the whole row's first pass, then the filters, token and logprob."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    sup_row = sup_ptr + row * sup_stride
+    hist_row, rep, pres, freq, inv, greedy, mode, need_raw, h = _row_setup(
+        row, temp_ptr, seed_ptr, pos_ptr, mode_ptr, hist_ptr, hist_stride, hrow_ptr, rep_ptr, pres_ptr, freq_ptr, PEN)
+    m, z, m_raw, z_raw, _, w = _first_pass(row_ptr, 0, V, V, inv, sup_row, hist_row, rep, pres, freq, h, greedy,
+                                           need_raw, NSUP, PEN, ALL_GREEDY, BLOCK)
+    _row_finish(row, row_ptr, V, inv, sup_row, hist_row, rep, pres, freq, h, greedy, mode, need_raw,
+                m, z, m_raw, z_raw, w, topk_ptr, topp_ptr, minp_ptr, tok_ptr, lp_ptr,
+                NSUP, PEN, FILTER, ALL_GREEDY, BLOCK, SBLOCK, NT)  # fmt: skip
+
+
+@triton.jit
+def _sample_part_kernel(
+    logits_ptr, stride_row, V, chunk,
+    temp_ptr, seed_ptr, pos_ptr, mode_ptr, sup_ptr, sup_stride,
+    stat_ptr, idx_ptr, hist_ptr, hist_stride, hrow_ptr, rep_ptr, pres_ptr, freq_ptr,
+    NSUP: tl.constexpr, PEN: tl.constexpr, ALL_GREEDY: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program (row, part): the first pass over ids [part * chunk, (part + 1) * chunk); its (m, z, m_raw, z_raw,
+    race key) go to stat [N, S, 5], its winner to idx [N, S]."""
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    parts = tl.num_programs(1)
+    row_ptr = logits_ptr + row * stride_row
+    sup_row = sup_ptr + row * sup_stride
+    hist_row, rep, pres, freq, inv, greedy, mode, need_raw, h = _row_setup(
+        row, temp_ptr, seed_ptr, pos_ptr, mode_ptr, hist_ptr, hist_stride, hrow_ptr, rep_ptr, pres_ptr, freq_ptr, PEN)
+    lo = part * chunk
+    hi = tl.minimum(lo + chunk, V)
+    m, z, m_raw, z_raw, best, w = _first_pass(row_ptr, lo, hi, V, inv, sup_row, hist_row, rep, pres, freq, h,
+                                              greedy, need_raw, NSUP, PEN, ALL_GREEDY, BLOCK)  # fmt: skip
+    st = stat_ptr + (row * parts + part) * 5
+    tl.store(st, m)
+    tl.store(st + 1, z)
+    tl.store(st + 2, m_raw)
+    tl.store(st + 3, z_raw)
+    tl.store(st + 4, best)
+    tl.store(idx_ptr + row * parts + part, w)
+
+
+@triton.jit
+def _sample_merge_kernel(
+    logits_ptr, stride_row, V, parts,
+    temp_ptr, seed_ptr, pos_ptr, mode_ptr, sup_ptr, sup_stride,
+    tok_ptr, lp_ptr, stat_ptr, idx_ptr, hist_ptr, hist_stride, hrow_ptr, rep_ptr, pres_ptr, freq_ptr,
+    NSUP: tl.constexpr, PEN: tl.constexpr, ALL_GREEDY: tl.constexpr, SP: tl.constexpr,
+):  # fmt: skip
+    """One program per row: merges the parts' statistics (the race: the largest key, ties to the lowest part,
+    whose own ties went to its lowest id) and finishes the row as ``_sample_kernel`` does without filters."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    sup_row = sup_ptr + row * sup_stride
+    hist_row, rep, pres, freq, inv, greedy, mode, need_raw, h = _row_setup(
+        row, temp_ptr, seed_ptr, pos_ptr, mode_ptr, hist_ptr, hist_stride, hrow_ptr, rep_ptr, pres_ptr, freq_ptr, PEN)
+    j = tl.arange(0, SP)
+    ok = j < parts
+    st = stat_ptr + (row * parts + j) * 5
+    mj = tl.load(st, mask=ok, other=-3.0e38)
+    m = tl.max(mj, 0)
+    z = tl.sum(tl.load(st + 1, mask=ok, other=0.0) * tl.exp(mj - m), 0)
+    rj = tl.load(st + 2, mask=ok, other=-3.0e38)
+    m_raw = tl.max(rj, 0)
+    z_raw = tl.sum(tl.load(st + 3, mask=ok, other=0.0) * tl.exp(rj - m_raw), 0)
+    _, jw = tl.max(tl.load(st + 4, mask=ok, other=float("-inf")), 0, return_indices=True,
+                   return_indices_tie_break_left=True)
+    w = tl.load(idx_ptr + row * parts + jw)
+    _row_finish(row, row_ptr, V, inv, sup_row, hist_row, rep, pres, freq, h, greedy, mode, need_raw,
+                m, z, m_raw, z_raw, w, temp_ptr, temp_ptr, temp_ptr, tok_ptr, lp_ptr,
+                NSUP, PEN, False, ALL_GREEDY, 16, 16, 2)  # fmt: skip
+
+
+def sample_parts(n: int, vocab: int, block: int, sms: int, programs_per_sm: int = 4) -> int:
+    """Parts per row for the split first pass: enough programs for ``programs_per_sm`` per SM, at most one
+    block of ids per part; 1 (the one-kernel path) when the rows alone fill the GPU."""
+    return max(1, min(triton.cdiv(vocab, block), (programs_per_sm * sms) // max(n, 1)))
+
+
 def fused_sample(
     logits: torch.Tensor,
     st: Any,
@@ -311,12 +399,18 @@ def fused_sample(
     search_block: int = 512,
     num_thresholds: int = 16,
     num_warps: int = 8,
+    parts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, V] -> (token ids [N] int64, logprobs [N] float32), as ``sample_torch``; ``st`` is a
-    ``rollout.layers.sampler.SamplingTensors`` (not imported: that module imports this one).
+    """logits [N, V] (float32, or the model's bf16 / fp16: converted in registers) -> (token ids [N] int64,
+    logprobs [N] float32), as ``sample_torch``; ``st`` is a ``rollout.layers.sampler.SamplingTensors`` (not
+    imported: that module imports this one).
 
     ``block``: logits per loop step of a row's program; ``search_block`` / ``num_thresholds``: the
-    processed-logprob threshold search's step and thresholds per pass (bench/sampler_bench.py --sweep)."""
+    processed-logprob threshold search's step and thresholds per pass (bench/sampler_bench.py --sweep).
+    ``parts``: programs per row of the first pass (None: ``sample_parts`` from the SM count; batches without
+    filters only). One program per row leaves most SMs idle at decode batch sizes below a few per SM, and the
+    race's noise (a hash and two logs per token) makes the pass compute-bound, so rows are split into parts
+    whose statistics a second, tiny kernel merges (same tokens; the log-sum-exp summed in another order)."""
     if logits.dim() != 2 or not logits.dtype.is_floating_point:
         raise ValueError(f"logits must be a float [N, V] tensor; got {logits.dtype} {tuple(logits.shape)}")
     if logits.stride(1) != 1:
@@ -326,6 +420,8 @@ def fused_sample(
     logprobs = torch.empty(n, dtype=torch.float32, device=logits.device)
     if n == 0:
         return tokens, logprobs
+    if parts is not None and parts < 1:
+        raise ValueError(f"parts must be >= 1; got {parts}")
     sup = st.suppress_ids
     if sup is not None and sup.stride(-1) != 1:
         sup = sup.contiguous()
@@ -334,13 +430,34 @@ def fused_sample(
         pen_args = (st.seed, 0, st.seed, st.temperature, st.temperature, st.temperature)  # unread
     else:
         pen_args = (pen.hist, pen.hist.stride(0), pen.rows, pen.repetition, pen.presence, pen.frequency)
-    _sample_kernel[(n,)](
-        logits, logits.stride(0), vocab,
-        st.temperature, st.top_k, st.top_p, st.min_p, st.seed, st.position, st.mode,
-        sup if sup is not None else st.seed, sup.stride(0) if sup is not None else 0,
-        tokens, logprobs, *pen_args,
-        NSUP=sup.shape[1] if sup is not None else 0, PEN=pen is not None, FILTER=bool(st.needs_filter),
-        ALL_GREEDY=bool(st.all_greedy),
-        BLOCK=block, SBLOCK=search_block, NT=num_thresholds, num_warps=num_warps, enable_fp_fusion=False,
+    sup_args = (sup if sup is not None else st.seed, sup.stride(0) if sup is not None else 0)
+    consts = dict(NSUP=sup.shape[1] if sup is not None else 0, PEN=pen is not None, ALL_GREEDY=bool(st.all_greedy))
+    if st.needs_filter:
+        parts = 1  # the filters' passes need the whole row's statistics first
+    elif parts is None:
+        from rollout.kernels.paged_decode import num_sms
+
+        parts = sample_parts(n, vocab, block, num_sms(logits.device))
+    chunk = triton.cdiv(triton.cdiv(vocab, parts), block) * block  # whole blocks per part
+    parts = triton.cdiv(vocab, chunk)
+    if parts == 1:
+        _sample_kernel[(n,)](
+            logits, logits.stride(0), vocab,
+            st.temperature, st.top_k, st.top_p, st.min_p, st.seed, st.position, st.mode, *sup_args,
+            tokens, logprobs, *pen_args,
+            **consts, FILTER=bool(st.needs_filter),
+            BLOCK=block, SBLOCK=search_block, NT=num_thresholds, num_warps=num_warps, enable_fp_fusion=False,
+        )  # fmt: skip
+        return tokens, logprobs
+    stats = torch.empty((n, parts, 5), dtype=torch.float32, device=logits.device)
+    idx = torch.empty((n, parts), dtype=torch.int32, device=logits.device)
+    row_args = (st.temperature, st.seed, st.position, st.mode, *sup_args)
+    _sample_part_kernel[(n, parts)](
+        logits, logits.stride(0), vocab, chunk, *row_args, stats, idx, *pen_args,
+        **consts, BLOCK=block, num_warps=num_warps, enable_fp_fusion=False,
+    )  # fmt: skip
+    _sample_merge_kernel[(n,)](
+        logits, logits.stride(0), vocab, parts, *row_args, tokens, logprobs, stats, idx, *pen_args,
+        **consts, SP=triton.next_power_of_2(parts), num_warps=1, enable_fp_fusion=False,
     )  # fmt: skip
     return tokens, logprobs

@@ -133,7 +133,8 @@ def forward_and_sample(model: torch.nn.Module, kv_layers: list[torch.Tensor], at
     pl = compute_prompt_logprobs(model, hidden, prompt, input_ids.device) if prompt is not None else None
     if sampling is None:
         return None if pl is None else StepOut(None, None, prompt=pl)
-    logits = model.compute_logits(hidden[sample_idx])
+    # On CUDA the fused sampler reads the lm_head's dtype; elsewhere the torch sampler gets float32.
+    logits = model.compute_logits(hidden[sample_idx], float32=not hidden.is_cuda)
     # Under tensor parallelism the logits are this rank's vocabulary slice; at one rank this is ``sample``.
     tokens, lps = sample_vocab_parallel(logits, sampling, model.tp, model.vocab_start)
     out = StepOut(tokens, lps, prompt=pl)
