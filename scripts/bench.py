@@ -378,9 +378,12 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
     warm = [[1] * 8] * min(len(prompts) * n, args.max_num_seqs)
     warm_kw = sampling_kw(sampling, 0)  # the graph variant (greedy / filtered) the run will replay
     engine.generate(warm, SamplingParams(max_tokens=2, ignore_eos=True, **warm_kw))
+    long = [1] * 64  # one long context among short ones: the graphs of uneven lengths (the balanced split)
     for b in sorted(runner.graph_sizes, reverse=True):
         if b <= len(warm):
             engine.generate(warm[:b], SamplingParams(max_tokens=3, ignore_eos=True, **warm_kw))
+            if b >= 3:  # two lengths are always even (the longest is at most their sum)
+                engine.generate(warm[: b - 1] + [long], SamplingParams(max_tokens=3, ignore_eos=True, **warm_kw))
     runner.clock.records.clear()
     runner.clock.record_steps = True
     torch.cuda.synchronize()
@@ -624,7 +627,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-DECODE_KNOBS = ("V_PAGES", "FUSED_MERGE", "DECODE_WAVES", "MIN_CHUNK_TILES", "PROGRAMS_PER_SM", "FP8_DECODE_MAXNREG")
+DECODE_KNOBS = ("V_PAGES", "FUSED_MERGE", "DECODE_WAVES", "MIN_CHUNK_TILES", "PROGRAMS_PER_SM", "FP8_DECODE_MAXNREG",
+                "EVEN_FIXED_SPLIT")
 
 
 def parse_decode_knobs(text: str) -> dict[str, int]:

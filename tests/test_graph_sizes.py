@@ -34,3 +34,12 @@ def test_kv_sizing_measures_the_largest_graph_beside_eager_decode():
     assert decode_rows(EngineConfig(max_num_seqs=512), graphs=True) == (512, 512)
     assert decode_rows(EngineConfig(max_num_seqs=512, max_graph_batch_size=256), graphs=True) == (512, 256)
     assert decode_rows(EngineConfig(max_num_seqs=512), graphs=False) == (512, 0)
+
+
+def test_even_lengths() -> None:
+    """Even: the longest context at most twice the mean (the decode kernel's fixed split); a long tail is not."""
+    from rollout.engine.runners.graphs import even_lengths
+
+    assert even_lengths([300, 280, 310]) and even_lengths([5]) and even_lengths([2, 2, 2, 6])
+    assert not even_lengths([100] * 7 + [16000]) and not even_lengths([1, 1, 1, 7])
+    assert not even_lengths([])

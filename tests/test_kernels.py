@@ -334,6 +334,39 @@ def check_runner_metadata_plans():
     assert made[0].decode_plans == {} and made[0].decode_plans is not made[1].decode_plans
 
 
+def check_decode_even_lengths_fixed_split():
+    """``even_lengths`` takes ``choose_num_splits``'s fixed count for the batch (bit for bit the fixed-split call,
+    no plan made); off by EVEN_FIXED_SPLIT, the balanced partition; the backend passes the metadata's flag."""
+    import rollout.kernels.paged_decode as pd
+    from rollout.layers.triton_backend import TritonAttentionBackend
+
+    lens = [300, 280, 310, 295]
+    q, cache, meta = scenario([1] * len(lens), lens, 4, 2, 16, 16)
+    block_n = pd.decode_config(16, 16, cache.dtype)[0]
+    fixed = pd.choose_num_splits(4, 2, -(-meta.block_tables.shape[1] * 16 // block_n), pd.num_sms(q.device))
+    assert fixed > 1  # the check below must tell a split run from an unsplit one
+    want = pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, num_splits=fixed)
+    plans: dict = {}
+    out = pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, plans=plans, even_lengths=True)
+    assert torch.equal(out, want) and not plans, "even lengths must take the fixed split, unplanned"
+    assert_close(out, reference_attention(q, cache, meta, SCALE), 1e-4)
+    old, pd.EVEN_FIXED_SPLIT = pd.EVEN_FIXED_SPLIT, False
+    try:
+        pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, plans=plans, even_lengths=True)
+        assert len(plans) == 1, "with the switch off the balanced partition plans"
+    finally:
+        pd.EVEN_FIXED_SPLIT = old
+    seen = []
+    backend = TritonAttentionBackend()
+    backend._decode = lambda *a, **kw: seen.append(kw["even_lengths"]) or torch.zeros_like(a[0])
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(4, 2, 16, generator=gen), torch.randn(4, 2, 16, generator=gen)
+    for flag in (False, True):
+        meta.decode_even_lengths = flag
+        backend.forward(q, k, v, cache.clone(), meta, SCALE)
+    assert seen == [False, True], seen
+
+
 def check_num_splits():
     from rollout.kernels.paged_decode import choose_num_splits
 
@@ -426,6 +459,7 @@ CHECKS = {
     "backend_mixed_decode_rows": check_backend_mixed_decode_rows,
     "backend_mixed_decode_rows_window": lambda: check_backend_mixed_decode_rows(window=9),
     "num_splits_heuristic": check_num_splits,
+    "decode_even_lengths_fixed_split": check_decode_even_lengths_fixed_split,
     "split_target": check_split_target,
     "argument_errors": check_errors,
 }

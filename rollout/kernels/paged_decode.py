@@ -70,6 +70,11 @@ V_PAGES = True
 # B=256, 1.1% slower at B=128 (bench/results/h200_2026-12-03_kern_e44d04c.jsonl); with a plan the counters are
 # zeroed once per step. Off until kernels_bench's planned_fused is timed.
 FUSED_MERGE = False
+# A decode step whose live lengths are even (longest <= 2 x mean; the caller knows them on the host, so each
+# kind replays its own graph) takes the fixed split count of ``choose_num_splits`` for its batch size: on even
+# lengths the balanced partition found nothing to balance yet paid its plan and reduce launches, 1-3% slower than
+# the fixed split (W1-short, W3: docs/benchmarks.md). Long tails keep the balanced partition.
+EVEN_FIXED_SPLIT = True
 FP8_DECODE_MAXNREG = 168  # registers per thread of the fp8 decode kernel (decode_config)
 
 
@@ -449,7 +454,7 @@ def choose_split_target(num_kv_heads: int, sms: int, waves: int | None = None) -
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_tiles: int, sms: int) -> int:
-    """The previous heuristic (one fixed split count per batch size), kept for the bench's A/B."""
+    """One fixed split count per batch size: even lengths take it (``even_lengths``), and the bench's A/B."""
     slots = PROGRAMS_PER_SM * sms
     return max(1, min(slots // max(1, batch * num_kv_heads), MAX_SPLITS, max_tiles))
 
@@ -503,6 +508,7 @@ def paged_decode_attention(
     plans: dict | None = None,
     waves: int | None = None,
     v_pages: bool | None = None,
+    even_lengths: bool = False,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (q: [B, Hq, D]) over its ``seq_lens[i]`` cached tokens.
 
@@ -519,7 +525,9 @@ def paged_decode_attention(
     every later layer with the same tile and window (None: each call's programs compute it themselves).
     ``waves``: how many waves of programs ``split_target`` holds (default: DECODE_WAVES with the default
     target, 1 with an explicit one); with more than one, even lengths (longest <= 2 x mean) are cut for one
-    wave only (``_find_chunk``). Returns ``out`` ([B, Hq, D], q's dtype).
+    wave only (``_find_chunk``). ``even_lengths``: the caller found this step's lengths even (longest <= 2 x
+    mean); with ``num_splits`` None and EVEN_FIXED_SPLIT on, the step takes ``choose_num_splits``'s fixed count
+    for its batch size instead of the balanced partition. Returns ``out`` ([B, Hq, D], q's dtype).
     """
     check_paged_inputs(q, kv_cache, block_tables, kv_scales)
     window = check_window(sliding_window)
@@ -554,6 +562,9 @@ def paged_decode_attention(
     v_pages = bool(v_pages and swap_ab and consts["V_TRANS"])
     g_pad = max(8 if swap_ab else 16, triton.next_power_of_2(group))  # a dot's N may be 8, its M 16 at least
     block_n, warps, stages, *maxnreg = decode_config(page, d, ptrs[0].dtype)
+    if even_lengths and EVEN_FIXED_SPLIT and num_splits is None:
+        max_tiles = triton.cdiv(block_tables.shape[1] * page, block_n)
+        num_splits = choose_num_splits(batch, hkv, max_tiles, num_sms(q.device))
     launch = dict(num_warps=warps, num_stages=stages)
     if maxnreg and maxnreg[0]:
         launch["maxnreg"] = maxnreg[0]

@@ -53,6 +53,10 @@ class AttentionMetadata:
     # updated in place (or across a warm-up and a CUDA-graph capture) must leave it None, or a later step would read
     # an earlier step's partition. None: every layer's kernel partitions for itself.
     decode_plans: dict | None = None
+    # A decode-only step whose live context lengths the runner found even (longest <= 2 x mean, from its host
+    # copies): the decode kernel may take a fixed split count for the batch size (paged_decode_attention's
+    # ``even_lengths``). A runner replaying graphs keys them by it, so the kernel's choice stays a host constant.
+    decode_even_lengths: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -59,7 +59,7 @@ class TritonAttentionBackend:
             return self._decode(
                 q, kv_cache, meta.block_tables, meta.seq_lens, scale,
                 sliding_window=sliding_window, num_splits=self.decode_num_splits, kv_scales=kv_scales,
-                plans=meta.decode_plans,
+                plans=meta.decode_plans, even_lengths=meta.decode_even_lengths,
             )  # fmt: skip
         rows = meta.decode_rows
         out = self._prefill_rows(q, kv_cache, kv_scales, meta, scale, sliding_window)

@@ -27,6 +27,11 @@ def padded_size(sizes: list[int], batch: int) -> int:
     return sizes[i] if i < len(sizes) else 0
 
 
+def even_lengths(lens: list[int]) -> bool:
+    """A decode batch's context lengths are even: the longest at most twice the mean (no long tail to balance)."""
+    return bool(lens) and max(lens) * len(lens) <= 2 * sum(lens)
+
+
 def use_cuda_graphs(cuda_graphs: bool | None, backend: str) -> bool:
     """``cuda_graphs=None``: on for every graph-capturable attention backend (all but 'torch')."""
     if cuda_graphs is None:
