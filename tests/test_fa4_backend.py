@@ -104,7 +104,7 @@ def calls(monkeypatch) -> list:
     decode = types.ModuleType("rollout.kernels.paged_decode")
 
     def paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, sliding_window=None, num_splits=None,
-                               kv_scales=None, plans=None):
+                               kv_scales=None, plans=None, even_lengths=False):
         calls.append(("decode", q.shape[0]))
         qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32)
         return reference_attention(q, kv_cache, _meta_for(qsl, seq_lens, block_tables), scale, sliding_window,
