@@ -449,6 +449,7 @@ def fused_sample(
             BLOCK=block, SBLOCK=search_block, NT=num_thresholds, num_warps=num_warps, enable_fp_fusion=False,
         )  # fmt: skip
         return tokens, logprobs
+    # SP (the merge's lanes) depends on the vocabulary alone: one compile per model, whatever the row count
     stats = torch.empty((n, parts, 5), dtype=torch.float32, device=logits.device)
     idx = torch.empty((n, parts), dtype=torch.int32, device=logits.device)
     row_args = (st.temperature, st.seed, st.position, st.mode, *sup_args)
@@ -458,6 +459,6 @@ def fused_sample(
     )  # fmt: skip
     _sample_merge_kernel[(n,)](
         logits, logits.stride(0), vocab, parts, *row_args, tokens, logprobs, stats, idx, *pen_args,
-        **consts, SP=triton.next_power_of_2(parts), num_warps=1, enable_fp_fusion=False,
+        **consts, SP=triton.next_power_of_2(triton.cdiv(vocab, block)), num_warps=1, enable_fp_fusion=False,
     )  # fmt: skip
     return tokens, logprobs
