@@ -13,6 +13,7 @@
 #   w2_512   W2 at max_num_seqs 512: eager_decode_steps must be 0 (issue 23.3)
 #   w2mem    the memory-bound W2 (fp8 vs bf16, swap vs recompute at 30% of the KV need; issue 23.5)
 #   profile  one decode step's kernels, bf16 vs fp8 (bench/step_profile.py)
+#   fm_profile  the same at B=128 and 256 with the fused merge off and on (FUSED_MERGE: no reduce launch)
 #   ncu      Nsight Compute of the fp8 decode kernel with V page by page (sectors per copy: ideal is the bar)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -30,7 +31,7 @@ for line in open(sys.argv[1]):
     if r.get("bench") == "decode":
         print(r["kv"], r["B"], r["variant"], r.get("config"), r["ms"], r["gbps"])
     elif "workload" in r:
-        keys = ("workload", "kv_cache_dtype", "decode_split", "kv_budget_frac", "preemption", "tok_s",
+        keys = ("workload", "kv_cache_dtype", "decode_split", "run", "kv_budget_frac", "preemption", "tok_s",
                 "mean_decode_compute_ms", "floor_ratio", "roofline_ratio", "eager_decode_steps", "max_decode_batch",
                 "fp8_vs_bf16", "vs_legacy", "decode_compute_vs_legacy", "swap_vs_recompute",
                 "logprob_mean_abs_diff_vs_hf")
@@ -66,6 +67,13 @@ for stage in "$@"; do
       summary "$OUT/w2mem$SUFFIX.jsonl" ;;
     profile)
       timeout 200 python3 bench/step_profile.py --kv auto,fp8 --out "$OUT/step_profile.jsonl" 2>&1 | tail -9 ;;
+    fm_profile)
+      for b in 128 256; do
+        for fm in 0 1; do
+          timeout 120 python3 bench/step_profile.py --kv auto,fp8 --batch $b --decode-knobs FUSED_MERGE=$fm \
+            --out "$OUT/step_profile_fm.jsonl" 2>&1 | tail -8
+        done
+      done ;;
     ncu)
       python3 - > "$OUT/ncu_vpages.py" <<'PY'
 print("import rollout.kernels.paged_decode as pd, runpy, sys")
