@@ -7,5 +7,10 @@
 if [ ! -d /tmp/site/fastapi ] && ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -2
 fi
+# Ray (~44 MiB: ../shared/device/wheels.sh ray, moved to .wray/) travels in its own call (carry [".wray"]); it
+# stays in /tmp/site while the machine is warm, so the next call can carry .whl and run the pool's GPU tests.
+if [ ! -d /tmp/site/ray ] && ls .wray/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .wray/*.whl 2>&1 | tail -2
+fi
 export PYTHONPATH=$PWD:/tmp/site PYTEST_ADDOPTS=-rs PYTHONUNBUFFERED=1
 export COMMIT=${1:-${COMMIT:-unknown}}
