@@ -135,11 +135,17 @@ def make_engine(hf: torch.nn.Module, w: dict, device: str, prefix_cache: bool = 
                                  block_size=16, enable_prefix_caching=prefix_cache, turn_prefill_hold_steps=hold,
                                  turn_rows_max_tokens=rows,
                                  max_num_rows=w["conversations"] + rows if burst else None)
-    warm = [[1] * 8] * w["conversations"]
-    eng.generate(warm, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
+    # Warm-up in the run's sampling (temperature 1, seeded: the sampled graph variant, not the greedy one): the
+    # prompts' shapes on token ids shifted by one (prefill compiles; no prefix-cache hit later), then every decode
+    # graph size with even lengths and with one long context (the decode kernel's two split kinds).
+    warm_sp = dict(ignore_eos=True, temperature=1.0, seed=0)
+    eng.generate([[t + 1 for t in p] for p in prompts_of(w)], SamplingParams(max_tokens=2, **warm_sp))
+    warm, long = [[1] * 8] * w["conversations"], [1] * 64
     for b in sorted(getattr(eng.runner, "graph_sizes", []) or [], reverse=True):  # capture every decode size
         if b <= len(warm):
-            eng.generate(warm[:b], SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))
+            eng.generate(warm[:b], SamplingParams(max_tokens=3, **warm_sp))
+            if b >= 3:
+                eng.generate(warm[: b - 1] + [long], SamplingParams(max_tokens=3, **warm_sp))
     return eng
 
 
