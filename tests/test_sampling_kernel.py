@@ -231,6 +231,10 @@ def check_split_parts() -> None:
     st.penalties = _penalties(8, 300, [1.3, 0.7, 1.0, 2.0] * 2, [0.0, 1.5, -1.0, 0.5] * 2, [0.5, 0.0, 2.0, -0.3] * 2)
     check_same(logits[:8], st, parts=3, **SMALL)
     check_same(logits[:8], make_st(8, top_p=0.9, top_k=[0, 7] * 4, mode="processed"), parts=3, **LARGE)
+    dead = logits[:4].clone()
+    dead[:, :64] = float("-inf")  # a whole part -inf: it adds nothing to the sums and never wins the race
+    check_same(dead, make_st(4, temperature=[1.0, 0.0, 0.5, 1.0], mode=["policy", "raw", "processed", "raw"],
+                             needs_filter=False), parts=5, **SMALL)  # fmt: skip
     from rollout.kernels.sampling import fused_sample, sample_parts
 
     with pytest.raises(ValueError, match="parts"):
