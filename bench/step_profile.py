@@ -58,8 +58,9 @@ def classify(name: str) -> str:
     return "other"
 
 
-def profile_kv(hf, prompts: list[list[int]], kv: str, args) -> tuple[dict[str, float], float, dict | None]:
-    """One decode step's device time per kernel name (us) with ``kv_cache_dtype=kv``, and its wall (ms): every
+def profile_kv(hf, prompts: list[list[int]], kv: str, args) -> tuple[dict[str, float], float, dict | None, dict]:
+    """One decode step's device time per kernel name (us) with ``kv_cache_dtype=kv``, its wall (ms), the mixed
+    steps' record (``--mixed``) and the step's bytes (live KV, weights) for the floors: every
     prompt is prefilled first (steps until the engine has computed them all), then ``--steps`` steps of the
     whole batch decoding (graph replays) run under the profiler."""
     engine = Engine.from_pretrained(hf, dtype="bfloat16", max_model_len=args.ctx + 4 * args.steps + 64,
@@ -79,6 +80,8 @@ def profile_kv(hf, prompts: list[list[int]], kv: str, args) -> tuple[dict[str, f
         for _ in range(args.steps):
             engine.step()
 
+    ctx = [len(q) + 4 + args.steps // 2 for q in prompts]  # mean context over the profiled steps (approx.)
+    floors = dict(attn_floor_ms=sum(ctx) * engine.kv.token_bytes, gemm_floor_ms=engine.model.weight_bytes_per_step())
     times, wall = kernel_times(run)
     mixed = None
     if args.mixed:  # a new prompt joins the decoding batch: the mixed step runs eagerly (no decode graph)
@@ -97,7 +100,7 @@ def profile_kv(hf, prompts: list[list[int]], kv: str, args) -> tuple[dict[str, f
                      top_ms=[(k[:90], round(v / 1e3, 4)) for k, v in top])  # fmt: skip
     while engine.has_unfinished_requests():
         engine.step()
-    return {k: v / args.steps for k, v in times.items()}, wall / args.steps * 1e3, mixed
+    return {k: v / args.steps for k, v in times.items()}, wall / args.steps * 1e3, mixed, floors
 
 
 def main() -> None:
@@ -116,6 +119,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("step_profile.py needs a CUDA GPU")
     bench = load_bench_script()
+    bw = bench.copy_bandwidth_tbps()
     knobs = bench.parse_decode_knobs(args.decode_knobs) if args.decode_knobs else {}
     bench.apply_decode_knobs(knobs)
     hf = bench.build_hf(args.preset)
@@ -125,16 +129,21 @@ def main() -> None:
     prompts = [torch.randint(100, vocab - 100, (n,), generator=gen).tolist() for n in lens]
     rows = {}
     for kv in args.kv.split(","):
-        step, wall_ms, mixed = profile_kv(hf, prompts, kv, args)
+        step, wall_ms, mixed, nbytes = profile_kv(hf, prompts, kv, args)
         by_class: dict[str, float] = collections.Counter()
         for k, us in step.items():
             by_class[classify(k)] += us
+        # each class against its bytes at the copy bandwidth: attention's live KV, the GEMMs' weights
+        floors = {k: round(v / (bw * 1e12) * 1e3, 3) for k, v in nbytes.items()}
+        eff = {"attn_decode": round(floors["attn_floor_ms"] / (by_class["attn_decode"] / 1e3), 3),
+               "gemm": round(floors["gemm_floor_ms"] / (by_class["gemm"] / 1e3), 3)}
         top = sorted(step.items(), key=lambda kv: -kv[1])[:40]
         rec = dict(bench="step_profile", preset=args.preset, kv_cache_dtype=kv, batch=args.batch,
                    mean_ctx=round(sum(lens) / len(lens)), steps=args.steps, commit=bench._commit(),
                    step_kernel_ms=round(sum(step.values()) / 1e3, 3), step_wall_ms=round(wall_ms, 3),
                    by_class_ms={k: round(v / 1e3, 3) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
-                   top_ms=[(k[:90], round(v / 1e3, 4)) for k, v in top], decode_knobs=knobs, mixed=mixed)  # fmt: skip
+                   top_ms=[(k[:90], round(v / 1e3, 4)) for k, v in top], decode_knobs=knobs, mixed=mixed,
+                   copy_bw_tbps=round(bw, 3), **floors, floor_over_kernel=eff)  # fmt: skip
         rows[kv] = rec
         print(json.dumps(rec), flush=True)
         if args.out:
