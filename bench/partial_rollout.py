@@ -91,7 +91,14 @@ def run(mode: str, hf: torch.nn.Module, args: argparse.Namespace) -> dict:
         hf, dtype="bfloat16" if cuda else "float32", device="cuda" if cuda else "cpu",
         max_model_len=args.prompt_len + args.new + 16, max_num_seqs=args.max_num_seqs,
     )
-    engine.generate([[1] * 8] * min(args.max_num_seqs, 64), SamplingParams(max_tokens=3, ignore_eos=True))  # warm
+    # Warm-up in the run's sampling: every decode graph size, with even lengths and with one long context (the
+    # decode kernel's two split kinds), so no capture lands inside a timed round.
+    warm, long = [[1] * 8] * args.max_num_seqs, [1] * 64
+    engine.generate(warm[:64], SamplingParams(max_tokens=3, ignore_eos=True))
+    for b in sorted(getattr(engine.runner, "graph_sizes", []) or [], reverse=True):
+        engine.generate(warm[:b], SamplingParams(max_tokens=3, ignore_eos=True))
+        if b >= 3:
+            engine.generate(warm[: b - 1] + [long], SamplingParams(max_tokens=3, ignore_eos=True))
     LongTailActor.lo, LongTailActor.new = max(1, min(256, args.new // 16)), args.new
     actor = LongTailActor(
         engine, PromptDataset(Rows(prompts), None, "prompt", None), SamplingParams(n=args.n, ignore_eos=True),
