@@ -259,11 +259,24 @@ def prefill_meta(q_lens: list[int], seq_lens: torch.Tensor, tables: torch.Tensor
     )  # fmt: skip
 
 
+def eager_and_graph_ms(fn) -> tuple[float, float | None, str | None]:
+    """(ms per call launched from Python, as an eager engine step launches it; ms per call replayed from a CUDA
+    graph: the kernels' device time, without the host's dispatch; the capture's error, if it failed). FA4's
+    CuTe DSL dispatch runs ~1,200 lines of Python per call, so at small shapes the eager time is the host's."""
+    from triton.testing import do_bench
+
+    eager = do_bench(fn, warmup=10, rep=50, return_mode="median")
+    try:
+        return eager, graph_ms([fn]), None
+    except Exception as e:  # noqa: BLE001 - reported in the record, the eager time still stands
+        torch.cuda.synchronize()
+        return eager, None, f"{type(e).__name__}: {e}"[:200]
+
+
 def time_prefill_fa4(args, batch: int, q_len: int, prefix: int, hq: int, hkv: int, d: int, dtype) -> None:
     """The prefill phase through both backends on one step (issue 23.7): ``TritonAttentionBackend`` against
     ``FA4PrefillBackend`` (FA4's paged varlen kernel), same cache, block tables and metadata; then their
     outputs' largest difference relative to the Triton output's largest magnitude."""
-    from triton.testing import do_bench
 
     from rollout.layers.fa4_backend import FA4PrefillBackend
     from rollout.layers.triton_backend import TritonAttentionBackend
@@ -272,21 +285,25 @@ def time_prefill_fa4(args, batch: int, q_len: int, prefix: int, hq: int, hkv: in
     q = torch.randn(batch * q_len, hq, d, device="cuda", dtype=dtype)
     meta = prefill_meta([q_len] * batch, seq_lens, tables)
     visible = batch * (q_len * prefix + q_len * (q_len + 1) / 2)  # causal (query, key) pairs
-    ms, outs = {}, {}
+    ms, gms, outs = {}, {}, {}
     for name, backend in (("triton", TritonAttentionBackend()), ("fa4", FA4PrefillBackend(args.page))):
         fn = lambda b=backend: b._prefill_rows(q, cache, None, meta, d**-0.5, None)
         outs[name] = fn()  # compiles (FA4: its JIT, seconds) outside the timing
-        ms[name] = do_bench(fn, warmup=10, rep=50, return_mode="median")
+        ms[name], gms[name], err = eager_and_graph_ms(fn)
         rec = {
             "bench": "prefill_backend", "backend": name, "preset": args.preset,
             "dtype": str(dtype).removeprefix("torch."), "page": args.page, "B": batch, "q_len": q_len,
             "prefix": prefix, "ms": round(ms[name], 4),
             "tflops": round(4 * hq * d * visible / ms[name] / 1e9, 1),
+            "graph_ms": gms[name] and round(gms[name], 4),
+            "graph_tflops": gms[name] and round(4 * hq * d * visible / gms[name] / 1e9, 1), "graph_error": err,
         }  # fmt: skip
         print(json.dumps(rec), flush=True)
     diff = (outs["fa4"].float() - outs["triton"].float()).abs().max() / outs["triton"].float().abs().max()
+    graph = gms["triton"] / gms["fa4"] if gms["triton"] and gms["fa4"] else None
     rec = {"bench": "fa4_vs_triton_prefill", "preset": args.preset, "page": args.page, "B": batch, "q_len": q_len,
-           "prefix": prefix, "speedup": round(ms["triton"] / ms["fa4"], 3), "max_rel_diff": round(diff.item(), 5)}
+           "prefix": prefix, "speedup": round(ms["triton"] / ms["fa4"], 3),
+           "graph_speedup": graph and round(graph, 3), "max_rel_diff": round(diff.item(), 5)}  # fmt: skip
     print(json.dumps(rec), flush=True)
 
 
@@ -294,7 +311,6 @@ def time_mixed_fa4(args, hq: int, hkv: int, d: int, dtype, decodes: int = 64, ct
     """A W2-like mixed step through each backend's whole ``forward``: a 2048-token prompt beside ``decodes``
     one-token rows of long-tailed contexts (``decode_rows`` set, as the CUDA runner sets it): FA4 prefill plus
     Triton decode rows against Triton for both."""
-    from triton.testing import do_bench
 
     from rollout.layers.attention_metadata import DecodeRows
     from rollout.layers.fa4_backend import FA4PrefillBackend
@@ -309,15 +325,19 @@ def time_mixed_fa4(args, hq: int, hkv: int, d: int, dtype, decodes: int = 64, ct
     t = sum(q_lens)
     q = torch.randn(t, hq, d, device="cuda", dtype=dtype)
     k, v = (torch.randn(t, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
-    ms = {}
+    ms, gms, errs = {}, {}, {}
     for name, backend in (("triton", TritonAttentionBackend()), ("fa4", FA4PrefillBackend(args.page))):
         fn = lambda b=backend: b.forward(q, k, v, cache, meta, d**-0.5)
         fn()
-        ms[name] = do_bench(fn, warmup=10, rep=50, return_mode="median")
+        ms[name], gms[name], errs[name] = eager_and_graph_ms(fn)
+    graph = gms["triton"] / gms["fa4"] if gms["triton"] and gms["fa4"] else None
     rec = {"bench": "fa4_vs_triton_mixed", "preset": args.preset, "page": args.page, "prefill_tokens": 2048,
            "decode_rows": decodes, "ctx": ctx, "mean_decode_ctx": round(sum(lens[1:]) / decodes),
            "triton_ms": round(ms["triton"], 4), "fa4_ms": round(ms["fa4"], 4),
-           "speedup": round(ms["triton"] / ms["fa4"], 3)}
+           "speedup": round(ms["triton"] / ms["fa4"], 3),
+           "triton_graph_ms": gms["triton"] and round(gms["triton"], 4),
+           "fa4_graph_ms": gms["fa4"] and round(gms["fa4"], 4),
+           "graph_speedup": graph and round(graph, 3), "graph_errors": errs}  # fmt: skip
     print(json.dumps(rec), flush=True)
 
 
