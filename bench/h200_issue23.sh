@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 23's H200 runs, in stages that each fit one device call (<= 10 min); results under $OUT, one log per stage.
-#   call 1: source scripts/device_env.sh <commit>; bash bench/h200_issue23.sh kernels legacy w2       (~8 min)
-#   call 2: source scripts/device_env.sh <commit>; bash bench/h200_issue23.sh w2_512 w2mem           (~9 min)
-#   call 3: source scripts/device_env.sh <commit>; bash bench/h200_issue23.sh profile ncu            (~3 min)
+#   call 1: source scripts/device_env.sh <commit>; bash bench/h200_issue23.sh w2                     (~6-7 min)
+#   call 2: source scripts/device_env.sh <commit>; bash bench/h200_issue23.sh w2_512 fm_profile      (~7 min)
+#   call 3: source scripts/device_env.sh <commit>; bash bench/h200_issue23.sh legacy w2mem           (~9 min)
+#   later:  kernels, profile, ncu (~3-5 min each)
 # KNOBS=V_PAGES=0,FUSED_MERGE=1 passes --decode-knobs to the scripts/bench.py stages (records and logs get a
 # _knobs suffix), e.g. KNOBS=FUSED_MERGE=1 ... w2 against the plain w2 stage (V_PAGES is on by default since 1a04ee9).
 # Stages:
@@ -54,7 +55,7 @@ for stage in "$@"; do
         "${KNOB_ARGS[@]}" --out "$OUT/legacy$SUFFIX.jsonl" > "$OUT/legacy$SUFFIX.log" 2>&1
       summary "$OUT/legacy$SUFFIX.jsonl" ;;
     w2)
-      timeout 330 python3 scripts/bench.py --workload W2 --modes async --kv-cache-dtype auto,fp8 --logprob-check 8 \
+      timeout 420 python3 scripts/bench.py --workload W2 --modes async --kv-cache-dtype auto,fp8 --logprob-check 8 \
         --sampling t1 "${KNOB_ARGS[@]}" --out "$OUT/w2$SUFFIX.jsonl" > "$OUT/w2$SUFFIX.log" 2>&1
       summary "$OUT/w2$SUFFIX.jsonl" ;;
     w2_512)
