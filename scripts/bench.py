@@ -632,7 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 DECODE_KNOBS = ("V_PAGES", "FUSED_MERGE", "DECODE_WAVES", "MIN_CHUNK_TILES", "PROGRAMS_PER_SM", "FP8_DECODE_MAXNREG",
-                "EVEN_FIXED_SPLIT")
+                "EVEN_FIXED_SPLIT", "FUSED_ROPE")
 
 
 def parse_decode_knobs(text: str) -> dict[str, int]:
@@ -652,8 +652,12 @@ def parse_decode_knobs(text: str) -> dict[str, int]:
 def apply_decode_knobs(knobs: dict[str, int]) -> None:
     """Set the decode kernel module's constants (read at each call, so engines built later use them)."""
     import rollout.kernels.paged_decode as pd
+    from rollout.layers.triton_backend import TritonAttentionBackend
 
     for name, value in knobs.items():
+        if name == "FUSED_ROPE":  # the Triton backends' rotary fused with the K/V store (its class attribute)
+            TritonAttentionBackend.fuses_rope = bool(value)
+            continue
         setattr(pd, name, bool(value) if isinstance(getattr(pd, name), bool) else value)
 
 

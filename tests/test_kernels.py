@@ -159,6 +159,73 @@ def check_kv_write():
     assert torch.equal(half.view(2, -1, 3, 16)[1, 47], v[3].half())
 
 
+def check_rope_kv_write():
+    """Rotary fused with the K/V store: q rotated in place and the cache's bytes equal to ``rotary_qk_`` then
+    ``write_kv_triton``, bit for bit, for 16-bit, float32 and fp8 caches (scales included), GQA, q and k as
+    strided slices of one qkv tensor, a padding slot; k is left unrotated."""
+    from rollout.kernels.fused_rotary import rotary_qk_
+    from rollout.kernels.kv_write import write_kv_triton
+    from rollout.kernels.rope_kv_write import rope_write_kv
+    from rollout.layers.kv_quant import fp8_block_bytes, fp8_views
+    from rollout.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(4)
+    t, hq, hkv, d, page = 5, 4, 2, 32, 8
+    table = RotaryEmbedding(d, 64, 1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d)).cos_sin_cache
+    pos = torch.tensor([3, 0, 17, 63, 9])
+    slots = torch.tensor([9, -1, 0, 47, 20])
+    for dtype, cache_kind in ((torch.bfloat16, "same"), (torch.float16, "same"), (torch.float32, "same"),
+                              (torch.bfloat16, "fp8"), (torch.float32, "fp8")):  # fmt: skip
+        qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=gen) * 3).to(dtype)
+        q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+        k0 = k.clone()
+        if cache_kind == "fp8":
+            raws = [torch.zeros(2, 7, fp8_block_bytes(page, hkv, d), dtype=torch.uint8) for _ in range(2)]
+            views = [fp8_views(r, hkv, d) for r in raws]
+        else:
+            raws = [torch.zeros(2, 7, page, hkv, d, dtype=dtype) for _ in range(2)]
+            views = [(r, None) for r in raws]
+        q_ref, k_ref = q.clone(), k.clone()
+        rotary_qk_(q_ref, k_ref, pos, table)
+        write_kv_triton(views[0][0], k_ref, v, slots, views[0][1])
+        rope_write_kv(q, k, v, pos, table, views[1][0], slots, views[1][1])
+        assert torch.equal(q, q_ref), f"{dtype} {cache_kind}: q differs from rotary_qk_'s"
+        assert torch.equal(raws[0], raws[1]), f"{dtype} {cache_kind}: cache bytes differ from rotary + store"
+        assert torch.equal(k, k0), "k must be left as the projection wrote it"
+    with pytest.raises(ValueError, match="head_dim"):
+        rope_write_kv(q[..., :24], k[..., :24], v[..., :24], pos, table[:, :24], torch.zeros(2, 4, 8, 2, 24), slots)
+
+
+def check_model_fused_rope():
+    """Whole tiny models (llama; qwen3 with its q/k norms, which hand the kernel non-slice q and k) through the
+    Triton backend, whose layers fuse rotary with the K/V store: a prefill then a decode step give the torch
+    reference backend's logits (which rotates with torch ops, then stores)."""
+    from rollout.layers.triton_backend import TritonAttentionBackend
+    from rollout.models import get_model_class
+    from rollout.models.loader import load_named_tensors
+    from tests.tiny_models import make_kv_caches, make_metadata, make_tiny_hf_model
+
+    assert TritonAttentionBackend.fuses_rope and not getattr(TorchAttentionBackend, "fuses_rope", False)
+    for family in ("llama", "qwen3"):
+        hf = make_tiny_hf_model(family)
+        model = get_model_class(hf.config)(hf.config)
+        load_named_tensors(model, hf.named_parameters())
+        model.eval()
+        gen = torch.Generator().manual_seed(5)
+        seqs = [torch.randint(0, hf.config.vocab_size, (n,), generator=gen).tolist() for n in (11, 6)]
+        outs = []
+        for backend in (TritonAttentionBackend(), TorchAttentionBackend()):
+            kv = make_kv_caches(model, 8, 8)
+            logits = []
+            for specs, take in (([(0, 11), (0, 6)], [seqs[0], seqs[1]]), ([(11, 1), (6, 1)], [[7], [9]])):
+                meta = make_metadata(specs, 8, 8)
+                ids = torch.tensor([t for chunk in take for t in chunk])
+                with torch.no_grad():
+                    logits.append(model.compute_logits(model(ids, meta.positions, kv, meta, backend)))
+            outs.append(torch.cat(logits))
+        assert_close(outs[0], outs[1], 1e-4)
+
+
 def check_backend(q_lens, seq_lens, window=None):
     """Whole forward (K/V store + attention) equals the torch backend's, cache included."""
     from rollout.layers.triton_backend import TritonAttentionBackend
@@ -460,6 +527,8 @@ CHECKS = {
     "backend_mixed_decode_rows_window": lambda: check_backend_mixed_decode_rows(window=9),
     "num_splits_heuristic": check_num_splits,
     "decode_even_lengths_fixed_split": check_decode_even_lengths_fixed_split,
+    "rope_kv_write": check_rope_kv_write,
+    "model_fused_rope": check_model_fused_rope,
     "split_target": check_split_target,
     "argument_errors": check_errors,
 }

@@ -27,6 +27,7 @@ class TritonAttentionBackend:
 
     name = "triton"
     uses_decode_rows = True  # computes AttentionMetadata.decode_rows with the decode kernel (runners set it)
+    fuses_rope = True  # forward(rope=(positions, cos_sin_cache)): rotary fused with the K/V store (one launch)
 
     def __init__(self, decode_num_splits: int | None = None) -> None:
         from rollout.kernels.kv_write import write_kv_triton
@@ -47,11 +48,19 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] (new tokens). Writes K/V, returns [T, Hq, D] in q's dtype.
-        ``kv_cache`` is a layer's cache, fp8 layout included (``rollout.layers.kv_quant``)."""
+        ``kv_cache`` is a layer's cache, fp8 layout included (``rollout.layers.kv_quant``). ``rope``: (positions
+        [T], the float32 cos/sin table) when q and k are not rotated yet: one kernel rotates q in place and
+        stores the rotated k with v (``rollout.kernels.rope_kv_write``); k itself is left unrotated."""
         kv_cache, kv_scales = cache_views(kv_cache, k)
-        self._write_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
+        if rope is not None:
+            from rollout.kernels.rope_kv_write import rope_write_kv  # lazy: the CPU tests' fake kernel modules
+
+            rope_write_kv(q, k, v, rope[0], rope[1], kv_cache, meta.slot_mapping, kv_scales)
+        else:
+            self._write_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
         if meta.decode_only:
             assert q.shape[0] == meta.num_seqs, (
                 f"decode batch has {q.shape[0]} tokens for {meta.num_seqs} seqs"

@@ -111,8 +111,12 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate_qk(q, k, positions, cos_sin_cache)
-        o = attn_backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window)
+        if getattr(attn_backend, "fuses_rope", False):  # rotary fused with the K/V store (Triton backends)
+            o = attn_backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window,
+                                     rope=(positions, cos_sin_cache))
+        else:
+            q, k = rotate_qk(q, k, positions, cos_sin_cache)
+            o = attn_backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
