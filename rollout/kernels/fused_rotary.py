@@ -33,6 +33,17 @@ def _rotate_block(ptr, stride_t, stride_h, t, h0, H, c, s, offs_d, d_ok, HALF: t
 
 
 @triton.jit
+def _cos_sin(pos_ptr, cache_ptr, t, stride_c, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """Token ``t``'s (cos, sin) rows of the table at its position, with their dims and lane mask."""
+    offs_d = tl.arange(0, HALF_PAD)
+    d_ok = offs_d < HALF
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    c = tl.load(cache_ptr + pos * stride_c + offs_d, mask=d_ok, other=0.0)
+    s = tl.load(cache_ptr + pos * stride_c + HALF + offs_d, mask=d_ok, other=0.0)
+    return c, s, offs_d, d_ok
+
+
+@triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, pos_ptr, cache_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
@@ -41,11 +52,7 @@ def _rotary_kernel(
 ):  # fmt: skip
     t = tl.program_id(0)
     blk = tl.program_id(1)
-    offs_d = tl.arange(0, HALF_PAD)
-    d_ok = offs_d < HALF
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    c = tl.load(cache_ptr + pos * stride_c + offs_d, mask=d_ok, other=0.0)
-    s = tl.load(cache_ptr + pos * stride_c + HALF + offs_d, mask=d_ok, other=0.0)
+    c, s, offs_d, d_ok = _cos_sin(pos_ptr, cache_ptr, t, stride_c, HALF, HALF_PAD)
     if blk < NQB:
         _rotate_block(q_ptr, stride_qt, stride_qh, t, blk * BLOCK_H, HQ, c, s, offs_d, d_ok, HALF, BLOCK_H)
     else:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.kernels.fused_rotary import BLOCK_H, _rotate_block
+from rollout.kernels.fused_rotary import BLOCK_H, _cos_sin, _rotate_block
 from rollout.kernels.kv_write import _store_rows
 from rollout.kernels.paged_common import KVPair, check_kv_layout, check_kv_scales, kv_args, round_to_e4m3
 
@@ -45,11 +45,7 @@ def _rope_kv_write_kernel(
 ):  # fmt: skip
     t = tl.program_id(0)
     blk = tl.program_id(1)
-    offs_d = tl.arange(0, HALF)
-    d_ok = offs_d < HALF
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    c = tl.load(cs_ptr + pos * stride_c + offs_d)
-    s = tl.load(cs_ptr + pos * stride_c + HALF + offs_d)
+    c, s, offs_d, d_ok = _cos_sin(pos_ptr, cs_ptr, t, stride_c, HALF, HALF)  # head_dim a power of two: no lane off
     if blk < NQB:  # q heads: rotated in place, as fused_rotary does
         _rotate_block(q_ptr, stride_qt, stride_qh, t, blk * BLOCK_H, HQ, c, s, offs_d, d_ok, HALF, BLOCK_H)
     else:  # every kv head of the token: k rotated in registers, k and v into the cache
