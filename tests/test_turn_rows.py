@@ -134,6 +134,33 @@ def test_turn_rows_max_tokens_is_checked():
             EngineConfig(turn_rows_max_tokens=bad)
 
 
+def _first_turns(engine: Engine) -> tuple[Conversations, list[str]]:
+    """Three conversations and a long decoder, stepped until every conversation's first turn is parked."""
+    conv = Conversations(engine)
+    rids = [conv.start([3 + i, 7, 11, 13, 17], TURN, f"c{i}") for i in range(3)]
+    engine.add_request([5, 9, 2], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), "decoder")
+    while len(engine.scheduler.parked) < len(rids):
+        engine.step()
+    return conv, rids
+
+
+def _drain_and_end(engine: Engine, conv: Conversations, kept_rids: list[str]) -> tuple[dict, object]:
+    """Step to the end; (each kept conversation's tokens, the block manager) after every conversation ended."""
+    while engine.has_unfinished_requests():
+        engine.step()
+    kept = {r: engine.scheduler.parked[r].seqs[0].token_ids for r in kept_rids}
+    for r in list(engine.scheduler.parked):
+        conv.end(r)
+    return kept, engine.block_manager
+
+
+def _assert_abort_changes_nothing_else(run) -> None:
+    ref, _ = run(False)
+    got, bm = run(True)
+    assert got == ref
+    assert all(b.ref_count == 0 for b in bm.blocks), "a block is still held after every conversation ended"
+
+
 @pytest.mark.parametrize("async_mode", [False, True])
 def test_a_conversation_aborted_mid_reply_frees_its_blocks_and_the_others_go_on(hf, async_mode):
     """max_num_seqs = max_num_rows = 4 makes the replies drip a row per step; aborting one halfway through its
@@ -141,11 +168,7 @@ def test_a_conversation_aborted_mid_reply_frees_its_blocks_and_the_others_go_on(
     without it."""
     def run(abort: bool):
         engine = _engine(hf, 64, max_num_seqs=4, max_num_rows=4, async_mode=async_mode)
-        conv = Conversations(engine)
-        rids = [conv.start([3 + i, 7, 11, 13, 17], TURN, f"c{i}") for i in range(3)]
-        engine.add_request([5, 9, 2], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), "decoder")
-        while len(engine.scheduler.parked) < len(rids):
-            engine.step()
+        conv, rids = _first_turns(engine)
         for i, rid in enumerate(rids):
             while not conv.resume(rid, [t + i for t in REPLY], TURN, 3):
                 engine.step()
@@ -155,17 +178,9 @@ def test_a_conversation_aborted_mid_reply_frees_its_blocks_and_the_others_go_on(
         assert 0 < seq.num_tokens - seq.num_computed_tokens < len(REPLY)  # halfway through its reply
         if abort:
             conv.abort("c0")
-        while engine.has_unfinished_requests():
-            engine.step()
-        kept = {r: engine.scheduler.parked[r].seqs[0].token_ids for r in rids[1:]}
-        for r in list(engine.scheduler.parked):
-            conv.end(r)
-        return kept, engine.block_manager
+        return _drain_and_end(engine, conv, rids[1:])
 
-    ref, _ = run(False)
-    got, bm = run(True)
-    assert got == ref
-    assert all(b.ref_count == 0 for b in bm.blocks), "a block is still held after every conversation ended"
+    _assert_abort_changes_nothing_else(run)
 
 
 @pytest.mark.parametrize("async_mode", [False, True])
@@ -176,11 +191,7 @@ def test_a_conversation_aborted_with_its_burst_of_rows_in_flight_frees_its_block
     def run(abort: bool):
         engine = _engine(hf, 64, max_num_seqs=4, max_num_rows=68, async_mode=async_mode)
         plans = _watch(engine)
-        conv = Conversations(engine)
-        rids = [conv.start([3 + i, 7, 11, 13, 17], TURN, f"c{i}") for i in range(3)]
-        engine.add_request([5, 9, 2], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), "decoder")
-        while len(engine.scheduler.parked) < len(rids):
-            engine.step()
+        conv, rids = _first_turns(engine)
         c0 = engine.scheduler.parked["c0"].seqs[0].seq_id
         while not conv.resume("c0", REPLY, TURN, 3):
             engine.step()
@@ -192,14 +203,6 @@ def test_a_conversation_aborted_with_its_burst_of_rows_in_flight_frees_its_block
         for i, rid in enumerate(rids[1:], 1):
             while not conv.resume(rid, [t + i for t in REPLY], TURN, 3):
                 engine.step()
-        while engine.has_unfinished_requests():
-            engine.step()
-        kept = {r: engine.scheduler.parked[r].seqs[0].token_ids for r in rids[1:]}
-        for r in list(engine.scheduler.parked):
-            conv.end(r)
-        return kept, engine.block_manager
+        return _drain_and_end(engine, conv, rids[1:])
 
-    ref, _ = run(False)
-    got, bm = run(True)
-    assert got == ref
-    assert all(b.ref_count == 0 for b in bm.blocks), "a block is still held after every conversation ended"
+    _assert_abort_changes_nothing_else(run)
