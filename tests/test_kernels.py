@@ -205,7 +205,8 @@ def check_model_fused_rope():
     from rollout.models.loader import load_named_tensors
     from tests.tiny_models import make_kv_caches, make_metadata, make_tiny_hf_model
 
-    assert TritonAttentionBackend.fuses_rope and not getattr(TorchAttentionBackend, "fuses_rope", False)
+    assert not TorchAttentionBackend.fuses_rope
+    TritonAttentionBackend.fuses_rope = True  # this child process only: the fused path under test
     for family in ("llama", "qwen3"):
         hf = make_tiny_hf_model(family)
         model = get_model_class(hf.config)(hf.config)

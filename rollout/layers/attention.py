@@ -113,6 +113,7 @@ class TorchAttentionBackend:
 
     name = "torch"
     uses_decode_rows = False  # every row by the reference loop
+    fuses_rope = False  # the layer rotates q and k before forward
 
     def forward(
         self,

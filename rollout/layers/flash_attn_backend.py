@@ -18,6 +18,7 @@ PAGE_MULTIPLE = 256
 class FlashAttnBackend:
     name = "flash_attn"
     uses_decode_rows = False  # flash-attn's varlen kernel takes mixed steps whole
+    fuses_rope = False  # reads k itself: the layer rotates q and k before forward
 
     def __init__(self, block_size: int) -> None:
         if block_size % PAGE_MULTIPLE:

@@ -27,7 +27,10 @@ class TritonAttentionBackend:
 
     name = "triton"
     uses_decode_rows = True  # computes AttentionMetadata.decode_rows with the decode kernel (runners set it)
-    fuses_rope = True  # forward(rope=(positions, cos_sin_cache)): rotary fused with the K/V store (one launch)
+    # forward(rope=(positions, cos_sin_cache)): rotary fused with the K/V store, one launch per layer
+    # (rollout.kernels.rope_kv_write). Off until it has run on the GPU (bit for bit the two kernels' result in
+    # the interpreter); scripts/bench.py --decode-knobs FUSED_ROPE=1 turns it on for the A/B.
+    fuses_rope = False
 
     def __init__(self, decode_num_splits: int | None = None) -> None:
         from rollout.kernels.kv_write import write_kv_triton

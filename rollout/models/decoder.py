@@ -111,7 +111,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if getattr(attn_backend, "fuses_rope", False):  # rotary fused with the K/V store (Triton backends)
+        if attn_backend.fuses_rope:  # rotary fused with the K/V store (the Triton backends, when on)
             o = attn_backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window,
                                      rope=(positions, cos_sin_cache))
         else:
