@@ -303,3 +303,35 @@ def test_decode_step_cuda_graph_replay():
         graph.replay()
         write_kv(cache2, k, v, meta2.slot_mapping)
         assert rel_err(out, reference(q2, cache2, meta2)) < 1e-2
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("preset", ["llama3-8b", "qwen2.5-1.5b"])
+def test_rope_kv_write_equals_rotary_then_store(preset, kv):
+    """The fused rotary + K/V store (off by default until this passes): q and the cache's bytes bit for bit what
+    ``rotary_qk_`` then ``write_kv_triton`` give, at real head shapes, q and k slices of one qkv tensor."""
+    from rollout.kernels.fused_rotary import rotary_qk_
+    from rollout.kernels.rope_kv_write import rope_write_kv
+    from rollout.layers.rotary import RotaryEmbedding
+
+    hq, hkv, d = PRESETS[preset]
+    t, nb = 300, 64
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    table = RotaryEmbedding(d, 8192, 1.0 / 500000.0 ** (torch.arange(0, d, 2, device=DEV).float() / d)).to(DEV)
+    pos = torch.randint(0, 8192, (t,), device=DEV, generator=gen)
+    slots = torch.randperm(nb * PAGE, device=DEV, generator=gen)[:t]
+    slots[::7] = -1  # padding tokens
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEV, generator=gen).to(torch.bfloat16) * 4
+    q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    if kv == "fp8":
+        raws = [torch.zeros(2, nb, fp8_block_bytes(PAGE, hkv, d), dtype=torch.uint8, device=DEV) for _ in range(2)]
+        views = [fp8_views(r, hkv, d) for r in raws]
+    else:
+        raws = [torch.zeros(2, nb, PAGE, hkv, d, dtype=torch.bfloat16, device=DEV) for _ in range(2)]
+        views = [(r, None) for r in raws]
+    q_ref, k_ref = q.clone(), k.clone()
+    rotary_qk_(q_ref, k_ref, pos, table.cos_sin_cache)
+    write_kv_triton(views[0][0], k_ref, v, slots, views[0][1])
+    rope_write_kv(q, k, v, pos, table.cos_sin_cache, views[1][0], slots, views[1][1])
+    assert torch.equal(q, q_ref)
+    assert torch.equal(raws[0], raws[1])
