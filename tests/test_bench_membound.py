@@ -210,8 +210,8 @@ def test_decode_knobs_parse_apply_and_refuse(bench, capsys, monkeypatch):
     from rollout.layers.triton_backend import TritonAttentionBackend
 
     monkeypatch.setattr(TritonAttentionBackend, "fuses_rope", TritonAttentionBackend.fuses_rope)
-    bench.apply_decode_knobs(bench.parse_args(["--decode-knobs", "FUSED_ROPE=1"]).decode_knobs)
-    assert TritonAttentionBackend.fuses_rope is True  # the A/B switch of the rotary + K/V store fusion
+    bench.apply_decode_knobs(bench.parse_args(["--decode-knobs", "FUSED_ROPE=0"]).decode_knobs)
+    assert TritonAttentionBackend.fuses_rope is False  # the A/B switch of the rotary + K/V store fusion
     for bad, msg in (("V_PAGE=1", "expected NAME=INT"), ("V_PAGES", "expected NAME=INT"), ("V_PAGES=yes", "integer")):
         with pytest.raises(SystemExit):
             bench.parse_args(["--decode-knobs", bad])

@@ -206,7 +206,7 @@ def check_model_fused_rope():
     from tests.tiny_models import make_kv_caches, make_metadata, make_tiny_hf_model
 
     assert not TorchAttentionBackend.fuses_rope
-    TritonAttentionBackend.fuses_rope = True  # this child process only: the fused path under test
+    assert TritonAttentionBackend.fuses_rope  # on by default: the Triton layers take the fused path
     for family in ("llama", "qwen3"):
         hf = make_tiny_hf_model(family)
         model = get_model_class(hf.config)(hf.config)

@@ -28,9 +28,10 @@ class TritonAttentionBackend:
     name = "triton"
     uses_decode_rows = True  # computes AttentionMetadata.decode_rows with the decode kernel (runners set it)
     # forward(rope=(positions, cos_sin_cache)): rotary fused with the K/V store, one launch per layer
-    # (rollout.kernels.rope_kv_write). Off until it has run on the GPU (bit for bit the two kernels' result in
-    # the interpreter); scripts/bench.py --decode-knobs FUSED_ROPE=1 turns it on for the A/B.
-    fuses_rope = False
+    # (rollout.kernels.rope_kv_write; bit for bit the two kernels' result, tests/gpu/test_kernels_gpu.py). On the
+    # H200 (322d99f, qwen2.5-1.5b B=128 decode step) it saves 1.4-1.7% of the step's wall time;
+    # scripts/bench.py --decode-knobs FUSED_ROPE=0 turns it off for the A/B.
+    fuses_rope = True
 
     def __init__(self, decode_num_splits: int | None = None) -> None:
         from rollout.kernels.kv_write import write_kv_triton
