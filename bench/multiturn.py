@@ -14,6 +14,11 @@ same run, each on a fresh engine:
   waits for the slowest environment call of the turn, then all continue as new requests holding the whole
   conversation (re-prefilled, less what the prefix cache still holds).
 - ``turn_sync_nocache``: the same with the prefix cache off (every turn re-prefills the whole conversation).
+- ``turn_sync_trl``: ``turn_sync`` with the environment called the way TRL 1.16's ``_tool_call_loop`` calls
+  tools: one conversation after another on the trainer's thread (``for idx in range(len(idxs_with_tool))``, a sync
+  tool called in place, an async one awaited with ``.result()`` before the next conversation's), so a round waits
+  for the *sum* of its calls, not the slowest. Prefix cache on (vLLM's default). ``turn_sync`` is the kinder
+  model of the issue's text (all calls concurrent); the bar's ratio is reported against both.
 - ``env_loop_hold<K>`` / ``env_loop_rows<K>``: the engine loop with ``engine.turn_prefill_hold_steps=K`` (replies
   wait up to K steps to be prefilled together) or ``engine.turn_rows_max_tokens=K`` (replies of up to K tokens
   computed as one-token decode rows, so the step stays a decode-graph replay); ``env_loop_rows<K>_burst`` also
@@ -184,8 +189,9 @@ def run_env_loop(eng: Engine, w: dict) -> dict:
                 model_tokens=sum(ep.env_mask.count(1) for ep in eps))
 
 
-def run_turn_sync(eng: Engine, w: dict) -> dict:
-    """Generate a turn for all, call every environment concurrently, wait for the slowest, re-submit all."""
+def run_turn_sync(eng: Engine, w: dict, serial: bool = False) -> dict:
+    """Generate a turn for all, call every environment concurrently (``serial``: one after another, as TRL
+    1.16's ``_tool_call_loop``), wait for the slowest (the last), re-submit all."""
     histories = prompts_of(w)
     params = params_of(w)
     rngs = [random.Random(i) for i in range(w["conversations"])]
@@ -199,7 +205,10 @@ def run_turn_sync(eng: Engine, w: dict) -> dict:
                 h += o.outputs[0].token_ids
                 model += len(o.outputs[0].token_ids)
             if turn + 1 < w["turns"]:
-                replies = list(pool.map(lambda r: reply_text(r, w), rngs))  # the slowest gates the turn
+                if serial:  # TRL: each conversation's tool calls finish before the next conversation's start
+                    replies = [reply_text(r, w) for r in rngs]
+                else:
+                    replies = list(pool.map(lambda r: reply_text(r, w), rngs))  # the slowest gates the turn
                 for h, text in zip(histories, replies):
                     ids = [int(t) for t in text.split()]
                     h += ids
@@ -227,7 +236,20 @@ def _profiled(enabled: bool, fn, *args) -> tuple[object, list | None]:
     return out, [(e.key[:70], round(e.device_time_total / 1e3, 1), e.count) for e in ks[:14]]
 
 
+def check_mode(mode: str) -> str:
+    """A mode name as the module docstring lists them, else ValueError naming it."""
+    loop = mode.removesuffix("_burst") if mode.startswith("env_loop_rows") else mode
+    for prefix in ("env_loop_hold", "env_loop_rows"):
+        if loop.startswith(prefix) and loop.removeprefix(prefix).isdigit():
+            return mode
+    if mode in ("env_loop", "turn_sync", "turn_sync_nocache", "turn_sync_trl"):
+        return mode
+    raise ValueError(f"unknown mode {mode!r}: expected env_loop, env_loop_hold<K>, env_loop_rows<K>[_burst], "
+                     "turn_sync, turn_sync_nocache or turn_sync_trl")
+
+
 def measure(mode: str, hf: torch.nn.Module, w: dict, device: str, prof: bool = False) -> dict:
+    check_mode(mode)
     hold = int(mode.removeprefix("env_loop_hold")) if mode.startswith("env_loop_hold") else 0
     burst = mode.endswith("_burst")
     rows = int(mode.removeprefix("env_loop_rows").removesuffix("_burst")) if mode.startswith("env_loop_rows") else 0
@@ -240,7 +262,10 @@ def measure(mode: str, hf: torch.nn.Module, w: dict, device: str, prof: bool = F
     if device == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    run_mode = run_env_loop if mode.startswith("env_loop") else run_turn_sync  # turn_sync*: one loop
+    if mode.startswith("env_loop"):
+        run_mode = run_env_loop
+    else:  # turn_sync*: one loop
+        run_mode = lambda e, w_: run_turn_sync(e, w_, serial=mode == "turn_sync_trl")  # noqa: E731
     counts, top = _profiled(prof and device == "cuda", run_mode, eng, w)
     if device == "cuda":
         torch.cuda.synchronize()
@@ -289,11 +314,13 @@ def run(tiny: bool, modes: list[str], out: str | None, prof: bool = False, turn_
         w.update(turn_lengths="geometric", stop_every=w["turn_tokens"], turn_tokens=2 * w["turn_tokens"])
     elif turn_lengths != "fixed":
         raise ValueError(f"turn_lengths must be fixed or geometric, got {turn_lengths!r}")
+    for m in modes:
+        check_mode(m)  # before the model is built
     w["vocab"] = (TINY_LLAMA if tiny else QWEN3_06B)["vocab_size"]
     hf = build_model(w, device)
     recs = [measure(m, hf, w, device, prof) for m in modes]
     by = {r["mode"]: r for r in recs}
-    for base in ("turn_sync", "turn_sync_nocache"):
+    for base in ("turn_sync", "turn_sync_nocache", "turn_sync_trl"):
         for loop in (m for m in by if m.startswith("env_loop") and base in by):
             by[loop][f"vs_{base}"] = round(by[loop]["tok_s"] / by[base]["tok_s"], 3)
     for r in recs:

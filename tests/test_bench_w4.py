@@ -54,3 +54,37 @@ def test_w4_agentic_tool_latency() -> None:
     loop, sync = module.run(True, ["env_loop", "turn_sync"], None, tool_latency="agentic")
     assert loop["workload"] == sync["workload"] == "W4-tools-tiny" and loop["tool_latency"] == "agentic"
     assert loop["model_tokens"] == sync["model_tokens"] == 8 * 3 * 12 and "vs_turn_sync" in loop
+
+
+def test_w4_trl_loop_calls_environments_one_after_another(monkeypatch) -> None:
+    """turn_sync_trl: TRL 1.16's ``_tool_call_loop`` calls each conversation's tools in turn on its own thread, so
+    a round waits for the sum of the calls; turn_sync (the issue's kinder model) calls them concurrently. The
+    sleeps of turn_sync_trl all run on the calling thread, one at a time, and its wall covers their sum."""
+    import threading
+    import time
+
+    import pytest
+
+    spec = importlib.util.spec_from_file_location("bench_multiturn_trl", ROOT / "bench" / "multiturn.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    slept: dict[str, list[tuple[int, float]]] = {}
+    real_sleep, mode = time.sleep, ["?"]
+
+    def recording_sleep(s: float) -> None:
+        slept.setdefault(mode[0], []).append((threading.get_ident(), s))
+        real_sleep(s)
+
+    monkeypatch.setattr(module.time, "sleep", recording_sleep)
+    recs = []
+    for m in ("turn_sync", "turn_sync_trl", "env_loop"):
+        mode[0] = m
+        recs += module.run(True, [m], None)
+    me = threading.get_ident()
+    assert {t for t, _ in slept["turn_sync_trl"]} == {me} and len(slept["turn_sync_trl"]) == 8 * 2
+    assert me not in {t for t, _ in slept["turn_sync"]}  # the concurrent model: pool threads
+    assert recs[1]["wall_s"] >= sum(s for _, s in slept["turn_sync_trl"])
+    assert recs[1]["model_tokens"] == recs[0]["model_tokens"] == 8 * 3 * 12
+    with pytest.raises(ValueError, match="turn_sync_trll"):
+        module.run(True, ["turn_sync_trll"], None)
