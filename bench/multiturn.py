@@ -349,7 +349,7 @@ def _commit() -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (a smoke run of both modes)")
-    p.add_argument("--modes", default="env_loop,env_loop_hold8,turn_sync,turn_sync_nocache",
+    p.add_argument("--modes", default="env_loop,turn_sync,turn_sync_trl,turn_sync_nocache",
                    help="env_loop_hold<K>: the engine loop with engine.turn_prefill_hold_steps=K; "
                         "env_loop_rows<K>: with engine.turn_rows_max_tokens=K (replies as decode rows); "
                         "env_loop_rows<K>_burst: and max_num_rows = conversations + K (a reply in one step)")

@@ -558,7 +558,8 @@ def run_weight_push(hf: torch.nn.Module, preset: str, repeats: int = 3) -> dict:
 
 
 def run_multiturn(out: str | None, name: str = "W4") -> list[dict]:
-    """W4: bench/multiturn.py's engine environment loop vs the turn-synchronous loop (it prints the lines)."""
+    """W4: bench/multiturn.py's engine environment loop vs the turn-synchronous loops: concurrent calls, TRL 1.16's
+    own (one conversation's calls after another's), no prefix cache (it prints the lines)."""
     import importlib.util
 
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "bench", "multiturn.py")
@@ -567,7 +568,7 @@ def run_multiturn(out: str | None, name: str = "W4") -> list[dict]:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     lengths = "geometric" if name == "W4-geo" else "fixed"
-    return module.run(False, ["env_loop", "turn_sync", "turn_sync_nocache"], out, turn_lengths=lengths)
+    return module.run(False, ["env_loop", "turn_sync", "turn_sync_trl", "turn_sync_nocache"], out, turn_lengths=lengths)
 
 
 def _commit() -> str:
