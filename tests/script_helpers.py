@@ -23,8 +23,17 @@ def compose(config_name: str, *overrides: str) -> Any:
 
 
 def load_script(name: str) -> ModuleType:
-    path = ROOT / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"{name}_script", path)
+    return _load(ROOT / "scripts" / f"{name}.py", f"{name}_script")
+
+
+def load_bench(name: str, alias: str | None = None) -> ModuleType:
+    """A fresh copy of ``bench/<name>.py`` as a module (``alias``: its name in sys.modules, for a test that
+    patches its globals and must not share them with another test's copy)."""
+    return _load(ROOT / "bench" / f"{name}.py", alias or f"bench_{name}")
+
+
+def _load(path: Path, module_name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses resolve their module through sys.modules
     spec.loader.exec_module(module)

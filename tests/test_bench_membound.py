@@ -177,13 +177,9 @@ def test_config_ratios_pair_records_by_budget_preemption_and_dtype(bench):
 
 def test_membound_sim_replays_a_tiny_workload(bench):
     """bench/membound_sim.py drives the real scheduler: a tight budget preempts, swap then swaps (n=1)."""
-    import importlib.util
+    from tests.script_helpers import load_bench
 
-    from tests.script_helpers import ROOT
-
-    spec = importlib.util.spec_from_file_location("membound_sim", ROOT / "bench" / "membound_sim.py")
-    sim = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sim)
+    sim = load_bench("membound_sim")
     from rollout import SamplingParams
 
     w = dict(prompt_len=32, new=64)

@@ -1,17 +1,11 @@
 """W4 (bench/multiturn.py) in its tiny CPU form: both modes run, count the same model tokens, and only the
 engine's environment loop keeps prefill at prompt + environment tokens."""
 
-import importlib.util
-import sys
-
-from tests.script_helpers import ROOT, load_script
+from tests.script_helpers import load_bench, load_script
 
 
 def test_w4_tiny_runs_both_modes(tmp_path) -> None:
-    spec = importlib.util.spec_from_file_location("bench_multiturn", ROOT / "bench" / "multiturn.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_bench("multiturn", "bench_multiturn")
     out = tmp_path / "w4.jsonl"
     recs = module.run(True, ["env_loop", "env_loop_hold4", "turn_sync", "turn_sync_nocache"], str(out))
     loop, held, sync, nocache = recs
@@ -27,10 +21,7 @@ def test_w4_tiny_runs_both_modes(tmp_path) -> None:
 
 def test_w4_geometric_turns_end_at_stop_ids() -> None:
     """W4-geo: turns end at stop ids (lengths vary, capped), both modes still count every model token."""
-    spec = importlib.util.spec_from_file_location("bench_multiturn_geo", ROOT / "bench" / "multiturn.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_bench("multiturn", "bench_multiturn_geo")
     loop, sync = module.run(True, ["env_loop", "turn_sync"], None, turn_lengths="geometric")
     assert loop["workload"] == sync["workload"] == "W4-geo-tiny" and loop["turn_tokens"] == 24
     assert loop["model_tokens"] < 8 * 3 * 24 and sync["model_tokens"] < 8 * 3 * 24  # stops hit before the cap
@@ -42,10 +33,7 @@ def test_w4_agentic_tool_latency() -> None:
     import random
     import statistics
 
-    spec = importlib.util.spec_from_file_location("bench_multiturn_tools", ROOT / "bench" / "multiturn.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_bench("multiturn", "bench_multiturn_tools")
     w = dict(module.W4, tool_latency="agentic", agentic_ms=dict(module.AGENTIC_MS))
     draws = [module.sleep_ms(random.Random(i), w) for i in range(4000)]
     assert 400 < statistics.median(draws) < 600 and max(draws) <= 8000 and sum(d > 2000 for d in draws) > 200
@@ -65,10 +53,7 @@ def test_w4_trl_loop_calls_environments_one_after_another(monkeypatch) -> None:
 
     import pytest
 
-    spec = importlib.util.spec_from_file_location("bench_multiturn_trl", ROOT / "bench" / "multiturn.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_bench("multiturn", "bench_multiturn_trl")
     slept: dict[str, list[tuple[int, float]]] = {}
     real_sleep, mode = time.sleep, ["?"]
 

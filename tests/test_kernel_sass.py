@@ -1,21 +1,15 @@
 """bench/kernel_sass.py: the decode kernel compiled for sm_90 on the CPU, as paged_decode_attention launches it."""
 
-import importlib.util
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.script_helpers import ROOT
+from tests.script_helpers import load_bench
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_kernel_sass", ROOT / "bench" / "kernel_sass.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("kernel_sass")
 
 
 def _tools() -> bool:

@@ -151,13 +151,9 @@ def test_each_chat_turn_reuses_the_whole_previous_conversation(client):
 
 
 def test_multiturn_bench_reports_the_hit_rate(client):
-    import importlib.util
-    from pathlib import Path
+    from tests.script_helpers import load_bench
 
-    path = Path(__file__).resolve().parent.parent / "bench" / "multiturn_cache.py"
-    spec = importlib.util.spec_from_file_location("multiturn_cache", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("multiturn_cache")
     bench.WORDS = tuple(f"w{i}" for i in range(60, 90))  # the word-level tokenizer's words
 
     def post(route: str, body: dict) -> dict:

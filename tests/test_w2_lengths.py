@@ -1,17 +1,10 @@
 """bench/w2_lengths.py: the FIFO schedule of a sampled-length workload, and which decode path its steps take."""
 
-import importlib.util
-import sys
-
-from tests.script_helpers import ROOT
+from tests.script_helpers import load_bench
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("bench_w2_lengths", ROOT / "bench" / "w2_lengths.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("w2_lengths")
 
 
 def test_schedule_admits_fifo_and_counts_contexts() -> None:
