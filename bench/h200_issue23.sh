@@ -37,6 +37,8 @@ for line in open(sys.argv[1]):
                 "fp8_vs_bf16", "vs_legacy", "decode_compute_vs_legacy", "swap_vs_recompute",
                 "logprob_mean_abs_diff_vs_hf")
         print({k: r[k] for k in keys if r.get(k) is not None})
+        if r.get("decode_by_batch"):  # [steps, compute ms, floor ms, floor ratio] per 32-sequence bucket
+            print("  by batch:", r["decode_by_batch"])
 PY
 }
 for stage in "$@"; do

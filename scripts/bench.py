@@ -144,6 +144,21 @@ def roofline_s(records: list, weight_bytes: int, kv_token_bytes: float, gemm_wei
     return dict(total=gemm + attn, gemm=gemm, attn=attn, gemm_compute_bound_steps=compute_bound)
 
 
+def decode_by_batch(records: list, weight_bytes: int, kv_token_bytes: float, bw_tbps: float,
+                    bucket: int = 32) -> dict[str, list]:
+    """Decode steps grouped by batch size (buckets of ``bucket`` sequences, keyed by their first size):
+    [steps, mean compute ms, mean byte-floor ms, floor / compute]. Two runs' tables, side by side, say at which
+    batch sizes one path (fp8 KV, a split rule) gains or loses, where the means over a run cannot."""
+    groups: dict[int, list] = {}
+    for r in records:
+        g = groups.setdefault(r.batch // bucket * bucket, [0, 0.0, 0.0])
+        g[0] += 1
+        g[1] += r.compute_ms
+        g[2] += (weight_bytes + r.kv_tokens * kv_token_bytes) / (bw_tbps * 1e12) * 1e3
+    return {str(k): [n, round(ms / n, 3), round(fl / n, 3), round(fl / ms, 3) if ms else None]
+            for k, (n, ms, fl) in sorted(groups.items())}
+
+
 SAMPLING = {"greedy": dict(temperature=0.0), "t1": dict(temperature=1.0), "t1p95": dict(temperature=1.0, top_p=0.95)}
 
 
@@ -430,6 +445,7 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
         roofline_attn_ms=round(roof["attn"] / max(1, len(dec)) * 1e3, 3),
         gemm_compute_bound_steps=roof["gemm_compute_bound_steps"], matmul_peak_tflops=peak and round(peak, 1),
         mean_decode_batch=round(sum(r.batch for r in dec) / max(1, len(dec)), 1),
+        decode_by_batch=decode_by_batch(dec, weight_bytes, kv_token_bytes, bw),
         max_decode_batch=max((r.batch for r in dec), default=0),
         eager_decode_steps=sum(not getattr(r, "graph_b", 0) for r in dec) if runner.cuda_graphs else len(dec),
         peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),

@@ -53,6 +53,19 @@ def test_roofline_takes_the_larger_of_bytes_and_flops_per_op_class(bench):
     assert both["total"] == pytest.approx(small["total"] + big["total"])
 
 
+def test_decode_by_batch_groups_steps_with_their_floor(bench):
+    """W2's records say per batch-size bucket how many decode steps ran, their mean compute and byte floor."""
+    from types import SimpleNamespace
+
+    rec = SimpleNamespace
+    steps = [rec(batch=8, kv_tokens=10**6, compute_ms=4.0), rec(batch=31, kv_tokens=3 * 10**6, compute_ms=8.0),
+             rec(batch=256, kv_tokens=0, compute_ms=2.0)]
+    # 1 TB/s: 1 GB of weights is 1 ms; 1,000 bytes a token, 10^6 tokens another 1 ms
+    table = bench.decode_by_batch(steps, 10**9, 1000, 1.0)
+    assert table == {"0": [2, 6.0, 3.0, 0.5], "256": [1, 2.0, 1.0, 0.5]}
+    assert bench.decode_by_batch([], 10**9, 1000, 1.0) == {}
+
+
 def test_compare_legacy_builds_backends_with_the_fixed_split(bench):
     """--compare-legacy (issue 23.4): a backend built inside ``legacy_decode_split`` passes the previous
     heuristic's num_splits (per batch size, from max_model_len) to the decode kernel; one built outside, none."""
