@@ -7,6 +7,7 @@
 # KNOBS=V_PAGES=0,FUSED_MERGE=1 passes --decode-knobs to the scripts/bench.py stages (records and logs get a
 # _knobs suffix), e.g. KNOBS=FUSED_MERGE=1 ... w2 against the plain w2 stage (V_PAGES is on by default since 1a04ee9).
 # Stages:
+#   gemm     the decode linears, cuBLAS vs a split-K Triton kernel (bench/gemm_bench.py, ~3 min)
 #   kernels  decode kernels at W2's shapes: balanced / planned / planned_all_waves (the one-wave cut of even
 #            lengths off) / fp8 V copied page by page (v_pages) / fixed split (bench/kernels_bench.py)
 #   legacy   W1-short and W3 with the live-length split vs the previous fixed split (issue 23.4's bar)
@@ -52,6 +53,17 @@ for stage in "$@"; do
       timeout 100 python3 bench/kernels_bench.py --preset qwen2.5-1.5b --lengths uniform --batches 16,64 \
         --ctxs 1024,12288 --kv bf16,fp8 --no-prefill --compare-legacy > "$OUT/kernels_even.jsonl" 2>> "$OUT/kernels.err"
       summary "$OUT/kernels_even.jsonl" ;;
+    gemm)
+      # the decode linears: cuBLAS vs bench/skinny_gemm.py (split-K Triton) at W2's batch sizes (~3 min)
+      timeout 280 python3 bench/gemm_bench.py --preset qwen2.5-1.5b --batches 8,32,128,256 --out "$OUT/gemm.jsonl" \
+        2> "$OUT/gemm.err" | python3 -c "
+import json, sys
+for l in sys.stdin:
+    r = json.loads(l)
+    if r['bench'] == 'gemm':
+        print(r['shape'], r['M'], 'cublas', r['cublas_us'], 'ours', r['ours_us'], 'best', r['best_us'], 'floor', r['floor_us'])
+    else:
+        print(r)" ;;
     legacy)
       timeout 200 python3 scripts/bench.py --workload W1-short,W3 --modes async --compare-legacy --sampling t1 \
         "${KNOB_ARGS[@]}" --out "$OUT/legacy$SUFFIX.jsonl" > "$OUT/legacy$SUFFIX.log" 2>&1

@@ -78,15 +78,17 @@ def capture_launch(kv: str, hq: int, hkv: int, d: int, page: int, batch: int, sw
     return got
 
 
-def compile_sm90(launch: dict):
-    """``triton.compile`` of the split kernel for sm_90 with the captured launch's specialisation."""
+def compile_sm90(launch: dict, fn=None):
+    """``triton.compile`` of ``fn`` (default: the decode split kernel) for sm_90 with the captured launch's
+    specialisation."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import rollout.kernels.paged_decode as pd
+    if fn is None:
+        import rollout.kernels.paged_decode as pd
 
-    fn = pd._decode_split_kernel
+        fn = pd._decode_split_kernel
     kw = dict(launch["kw"])
     options = {k: kw.pop(k) for k in LAUNCH_OPTIONS if k in kw}
     sig, consts, attrs = {}, {}, {}
