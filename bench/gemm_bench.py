@@ -66,19 +66,21 @@ def time_shape(name: str, n: int, k: int, bias: bool, m: int, bw: float, do_swee
     b = torch.randn(n, device=dev, dtype=torch.bfloat16) if bias else None
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     ref = torch.nn.functional.linear(x, ws[0], b)
+    counters = torch.zeros(-(-m // 16) * -(-n // 16), dtype=torch.int32, device=dev)  # every tile of any config
 
     def us(fn) -> float:
         return graph_ms([lambda w=w: fn(w) for w in ws]) * 1e3
 
     cublas = us(lambda w: torch.nn.functional.linear(x, w, b))
     chosen = choose_config(m, n, k, sms)
-    err = (skinny_linear(x, ws[0], b, chosen, sms).float() - ref.float()).abs().max().item()
-    ours = us(lambda w: skinny_linear(x, w, b, chosen, sms))
+    err = (skinny_linear(x, ws[0], b, chosen, sms, counters).float() - ref.float()).abs().max().item()
+    ours = us(lambda w: skinny_linear(x, w, b, chosen, sms, counters))
     best, best_cfg = ours, chosen
-    for cfg in sweep(m) if do_sweep else []:
+    extra = [dataclasses.replace(chosen, fused=False)] if chosen.split_k > 1 else []
+    for cfg in (sweep(m) + extra) if do_sweep else []:
         if cfg == chosen:
             continue
-        t = us(lambda w, c=cfg: skinny_linear(x, w, b, c, sms))
+        t = us(lambda w, c=cfg: skinny_linear(x, w, b, c, sms, counters))
         if t < best:
             best, best_cfg = t, cfg
     floor = w_bytes / (bw * 1e12) * 1e6

@@ -8,9 +8,10 @@ few columns. This kernel covers the machine by splitting K as well as N:
 
 - each program computes one [BLOCK_M, BLOCK_N] tile over one K slice (``split_k`` slices), reading its weight
   tile once; M fits one or two row tiles, so the weights are read once per step, as the floor assumes;
-- with one slice the program adds the bias and stores the output; with more, it stores float32 partials and
-  ``_reduce_kernel`` sums them in a fixed order (no atomics: the same inputs give the same bits, as the engine's
-  batch-invariance tests want), adds the bias and casts.
+- with one slice the program adds the bias and stores the output; with more, it stores float32 partials, and
+  the tile's last program to finish (an atomic counter per tile, left at zero again) sums them in slice order,
+  adds the bias and casts: one launch, and the same inputs give the same bits whichever program came last (the
+  engine's batch-invariance tests want that). ``fused=False`` sums them in a second kernel instead.
 
 ``bench/gemm_bench.py`` times it (and a sweep of tiles and splits) against ``torch.nn.functional.linear`` at the
 model's shapes; it moves into ``rollout/kernels/`` only if it wins there.
@@ -33,6 +34,7 @@ class GemmConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
+    fused: bool = True  # split K: the last program of a tile reduces (else a second kernel)
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -44,9 +46,9 @@ class GemmConfig:
 
 
 @triton.jit
-def _split_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
-                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):  # fmt: skip
+def _split_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, counter_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
+                  stride_om, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] tile of x @ W^T over K slice ``program_id(2)``. The row tile is the fastest grid
     axis: with M over one tile, the programs that read the same weight tile run together and share it in L2."""
     pid_m = tl.program_id(0)
@@ -73,8 +75,21 @@ def _split_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, k_per_split, 
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
     else:
-        part = part_ptr + pid_s * M * N
-        tl.store(part + offs_m[:, None] * N + offs_n[None, :], acc, mask=ok)
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + pid_s * M * N + tile, acc, mask=ok)
+        if FUSED:
+            tl.debug_barrier()  # every thread's partial stored before the release below
+            count = counter_ptr + pid_m * tl.num_programs(1) + pid_n
+            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+                tl.debug_barrier()
+                tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # zero again for the next call
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s in range(SPLIT):  # slice order, whoever is last: the same bits every time
+                    total += tl.load(part_ptr + s * M * N + tile, mask=ok, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], total.to(out_ptr.dtype.element_ty),
+                         mask=ok)
 
 
 @triton.jit
@@ -105,9 +120,11 @@ def choose_config(m: int, n: int, k: int, sms: int) -> GemmConfig:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: GemmConfig | None = None, sms: int | None = None) -> torch.Tensor:
+                  config: GemmConfig | None = None, sms: int | None = None,
+                  counters: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.nn.functional.linear(x, weight, bias)`` for 2-D ``x`` [M, K] and ``weight`` [N, K], both with unit
-    stride along K."""
+    stride along K. ``counters``: int32 zeros, one per output tile at least, that the fused reduce leaves at zero;
+    kept by the caller across calls (a CUDA graph replays them), else made per call."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [M, K] and weight [N, K]; got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -127,12 +144,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
     b = bias if bias is not None else out
+    fused = cfg.fused and split > 1
+    if fused and counters is None:
+        counters = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)
+    elif fused and (counters.dtype != torch.int32 or counters.numel() < grid[0] * grid[1]):
+        raise ValueError(f"counters must be int32 with at least {grid[0] * grid[1]} entries")
     _split_kernel[grid](
-        x, weight, b, out, part, m, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x, weight, b, out, part, counters if fused else out, m, n, k, k_per_split, x.stride(0), weight.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, SPLIT=split, FUSED=fused, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if split > 1:
+    if split > 1 and not fused:
         block = 256
         _reduce_kernel[(triton.cdiv(n, block), m)](part, b, out, m, n, out.stride(0), HAS_BIAS=bias is not None,
                                                    SPLIT=split, BLOCK=block, num_warps=4)  # fmt: skip

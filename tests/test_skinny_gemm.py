@@ -18,18 +18,23 @@ def _load():
 
 
 def check_linear(m: int, n: int, k: int, bias: bool, config: tuple | None = None) -> None:
+    """Both reduces (the last program's, a second kernel's) give linear's result and the same bits as each other
+    and as a second call; the fused one leaves its counters at zero for the next call."""
     sg = _load()
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=gen)
     w = torch.randn(n, k, generator=gen) / k**0.5
     b = torch.randn(n, generator=gen) if bias else None
-    cfg = sg.GemmConfig(*config) if config else None
-    out = sg.skinny_linear(x, w, b, config=cfg, sms=4)
+    cfg = sg.GemmConfig(*config) if config else sg.choose_config(m, n, k, 4)
+    counters = torch.zeros(64, dtype=torch.int32)
+    out = sg.skinny_linear(x, w, b, config=cfg, sms=4, counters=counters)
     ref = torch.nn.functional.linear(x, w, b)
     err = (out - ref).abs().max().item()
     assert out.shape == ref.shape and err <= 1e-4, f"max abs error {err:.3g}"
-    again = sg.skinny_linear(x, w, b, config=cfg, sms=4)
-    assert torch.equal(out, again), "the same inputs must give the same bits (no atomics)"
+    assert not counters.any(), "the fused reduce must leave its counters at zero"
+    again = sg.skinny_linear(x, w, b, config=cfg, sms=4, counters=counters)
+    unfused = sg.skinny_linear(x, w, b, config=sg.GemmConfig(**{**vars(cfg), "fused": False}), sms=4)
+    assert torch.equal(out, again) and torch.equal(out, unfused), "the same inputs must give the same bits"
 
 
 def check_choose_config() -> None:
@@ -43,6 +48,9 @@ def check_choose_config() -> None:
         sg.GemmConfig(16, 48, 64, 1)
     with pytest.raises(ValueError, match="weight"):
         sg.skinny_linear(torch.zeros(2, 8), torch.zeros(3, 9), sms=4)
+    with pytest.raises(ValueError, match="counters"):
+        sg.skinny_linear(torch.zeros(2, 256), torch.zeros(64, 256), config=sg.GemmConfig(16, 16, 64, 2), sms=4,
+                         counters=torch.zeros(2, dtype=torch.int32))
 
 
 CHECKS = {
