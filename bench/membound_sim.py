@@ -42,8 +42,9 @@ def load_bench():
 
 def simulate(w: dict, params: list, num_blocks: int, num_host_blocks: int, block_bytes: int, kv: str,
              max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, block_size: int = 16,
-             max_steps: int = 10**6) -> dict:
-    """Run the workload's requests through the scheduler to the end; model each step's time."""
+             max_steps: int = 10**6, on_step=None) -> dict:
+    """Run the workload's requests through the scheduler to the end; model each step's time. ``on_step``: called
+    with every step's plan before its samples are applied (bench/w2_lengths.py reads the live lengths)."""
     bm = BlockManager(num_blocks, block_size, num_host_blocks=num_host_blocks)
     sched = Scheduler(SchedulerLimits(max_num_seqs, max_num_batched_tokens), bm)
     ids = itertools.count()
@@ -63,6 +64,8 @@ def simulate(w: dict, params: list, num_blocks: int, num_host_blocks: int, block
         if plan is None or steps >= max_steps:
             break
         steps += 1
+        if on_step is not None:
+            on_step(plan)
         batch = len(plan.seqs)
         max_batch = max(max_batch, batch)
         max_used = max(max_used, num_blocks - bm.num_free_blocks)

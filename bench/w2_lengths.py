@@ -1,11 +1,12 @@
-"""What lengths a W2-style workload's decode steps see, without a GPU: the FIFO schedule of scripts/bench.py's
-prompts (same seeded lengths), one token per running sequence per step, and per step whether the live contexts are
-even (longest <= 2 x mean: the engine's fixed-split path, ``rollout.engine.runners.graphs.even_lengths``) and its
-byte floor (live KV + weights at the copy bandwidth). Prints the share of steps and of floor time that is even,
-and the floor time per batch-size bucket: which decode path and batch sizes a kernel change must serve.
+"""What lengths a W2-style workload's decode steps see, without a GPU: scripts/bench.py's prompts (same seeded
+lengths) through the engine's own scheduler and block manager (bench/membound_sim.py's ``simulate``, with the KV
+the workload needs), and per decode step whether the live contexts are even (longest <= 2 x mean: the engine's
+fixed-split path, ``rollout.engine.runners.graphs.even_lengths``) and its byte floor (live KV + weights at the
+copy bandwidth). Prints the share of steps and of floor time that is even, and the floor time per batch-size
+bucket: which decode path and batch sizes a kernel change must serve.
 
     python bench/w2_lengths.py                      # W2, max_num_seqs 256
-    python bench/w2_lengths.py --workload W2-mem --max-num-seqs 256
+    python bench/w2_lengths.py --workload W2-mem --max-num-seqs 512
 """
 
 from __future__ import annotations
@@ -28,19 +29,23 @@ WEIGHT_BYTES = 3.1e9
 COPY_BW = 4.27e12  # H200, measured by scripts/bench.py
 
 
-def schedule(max_tokens: list[int], prompt_len: int, max_num_seqs: int) -> list[list[int]]:
-    """Each decode step's live contexts (prompt + generated + the new token), FIFO admission, no preemption."""
-    waiting = collections.deque(range(len(max_tokens)))
-    running: dict[int, int] = {}
-    steps = []
-    while waiting or running:
-        while waiting and len(running) < max_num_seqs:
-            running[waiting.popleft()] = 0
-        steps.append([prompt_len + g + 1 for g in running.values()])
-        for i in list(running):
-            running[i] += 1
-            if running[i] >= max_tokens[i]:
-                del running[i]
+def decode_steps(w: dict, params: list, max_num_seqs: int) -> list[list[int]]:
+    """Each decode-only step's live contexts (the new token included), as the scheduler plans them with the KV
+    the workload needs (no preemption)."""
+    from bench.membound_sim import simulate
+
+    bench = load_bench_script()
+    bs = 16
+    need = bench.kv_need_blocks(w["prompt_len"], params, bs)
+    steps: list[list[int]] = []
+
+    def record(plan) -> None:
+        if all(len(s.input_ids) == 1 for s in plan.seqs):
+            steps.append([s.seq_len for s in plan.seqs])
+
+    rec = simulate(w, params, need, 0, bench.kv_block_bytes(w["preset"], "auto", bs), "auto", max_num_seqs,
+                   on_step=record)
+    assert rec["finished"] and rec["preemptions"] == 0, rec
     return steps
 
 
@@ -66,10 +71,9 @@ def main(argv: list[str] | None = None) -> dict:
     w = bench.WORKLOADS.get(args.workload)
     if w is None or "n" not in w:
         p.error(f"--workload must be one with sampled lengths (n per prompt), got {args.workload!r}")
-    _, params = bench.make_prompts(w, 151936, "t1")
-    max_tokens = [sp.max_tokens for sp in params for _ in range(sp.n)]
+    _, params = bench.make_prompts(w, bench.PRESETS[w["preset"]][1]["vocab_size"], "t1")
     rec = dict(workload=args.workload, max_num_seqs=args.max_num_seqs,
-               **summarize(schedule(max_tokens, w["prompt_len"], args.max_num_seqs)))
+               **summarize(decode_steps(w, params, args.max_num_seqs)))
     print(json.dumps(rec))
     return rec
 
