@@ -24,23 +24,22 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# (hidden, intermediate, heads, kv heads, head_dim, vocab, layers, qkv bias)
-PRESETS = {
-    "qwen2.5-1.5b": (1536, 8960, 12, 2, 128, 151936, 28, True),
-    "qwen3-0.6b": (1024, 3072, 16, 8, 128, 151936, 28, False),
-    "llama3-8b": (4096, 14336, 32, 8, 128, 128256, 32, False),
-}
 ROTATE_BYTES = 512 * 2**20  # the weight copies one timing cycles through: well past the H200's 50 MB L2
 SPLITS = (1, 2, 4, 8, 16)
 BLOCK_NS = (32, 64, 128)
 
 
 def linears(preset: str) -> list[tuple[str, int, int, bool, int]]:
-    """(name, N, K, bias, calls per step) of one decode step's linears."""
-    h, inter, hq, hkv, d, vocab, layers, qkv_bias = PRESETS[preset]
-    return [("qkv", (hq + 2 * hkv) * d, h, qkv_bias, layers), ("o_proj", h, hq * d, False, layers),
+    """(name, N, K, bias, calls per step) of one decode step's linears, from scripts/bench.py's preset config
+    (qwen2 alone has a q/k/v bias)."""
+    from bench.score_bench import load_bench_script
+
+    family, c = load_bench_script().PRESETS[preset]
+    h, hq, hkv, layers = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["num_hidden_layers"]
+    d, inter = c.get("head_dim", h // hq), c["intermediate_size"]
+    return [("qkv", (hq + 2 * hkv) * d, h, family == "qwen2", layers), ("o_proj", h, hq * d, False, layers),
             ("gate_up", 2 * inter, h, False, layers), ("down", h, inter, False, layers),
-            ("lm_head", vocab, h, False, 1)]  # fmt: skip
+            ("lm_head", c["vocab_size"], h, False, 1)]  # fmt: skip
 
 
 def sweep(m: int) -> list:
@@ -95,7 +94,7 @@ def time_shape(name: str, n: int, k: int, bias: bool, m: int, bw: float, do_swee
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", choices=list(PRESETS), default="qwen2.5-1.5b")
+    p.add_argument("--preset", choices=("qwen2.5-1.5b", "qwen3-0.6b", "llama3-8b"), default="qwen2.5-1.5b")
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[8, 32, 128, 256])
     p.add_argument("--shapes", default=None, help="comma list of qkv, o_proj, gate_up, down, lm_head (default all)")
     p.add_argument("--no-sweep", action="store_true", help="time only cuBLAS and the chosen config")
