@@ -19,6 +19,7 @@ model's shapes; it moves into ``rollout/kernels/`` only if it wins there.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,7 @@ def _reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, stride_om, HAS_BIAS: tl.const
     tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@functools.lru_cache(maxsize=1024)  # one per (shape, batch): no Python search per call on an eager step
 def choose_config(m: int, n: int, k: int, sms: int) -> GemmConfig:
     """A tile and split for a decode linear: rows in one or two tiles (16-128), 64 weight rows a tile, and as many
     K slices (each at least 256 deep) as it takes to give every SM about two programs."""
