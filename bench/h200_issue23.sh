@@ -7,6 +7,7 @@
 # KNOBS=V_PAGES=0,FUSED_MERGE=1 passes --decode-knobs to the scripts/bench.py stages (records and logs get a
 # _knobs suffix), e.g. KNOBS=FUSED_MERGE=1 ... w2 against the plain w2 stage (V_PAGES is on by default since 1a04ee9).
 # Stages:
+#   even     the even-lengths split (fixed chunks per batch size): which count is fastest per dtype and batch
 #   gemm     the decode linears, cuBLAS vs a split-K Triton kernel (bench/gemm_bench.py, ~3 min)
 #   kernels  decode kernels at W2's shapes: balanced / planned / planned_all_waves (the one-wave cut of even
 #            lengths off) / fp8 V copied page by page (v_pages) / fixed split (bench/kernels_bench.py)
@@ -53,6 +54,12 @@ for stage in "$@"; do
       timeout 100 python3 bench/kernels_bench.py --preset qwen2.5-1.5b --lengths uniform --batches 16,64 \
         --ctxs 1024,12288 --kv bf16,fp8 --no-prefill --compare-legacy > "$OUT/kernels_even.jsonl" 2>> "$OUT/kernels.err"
       summary "$OUT/kernels_even.jsonl" ;;
+    even)
+      # the even-lengths split (every W2 step: bench/w2_lengths.py) at W2's batch sizes: the engine's rule, the
+      # wave-aware rule, fp8 sized for 4 programs per SM, fixed counts 1-12 (~3 min)
+      timeout 280 python3 bench/kernels_bench.py --preset qwen2.5-1.5b --lengths even --batches 32,128,200,256 \
+        --ctxs 8192 --kv bf16,fp8 --no-prefill --compare-even > "$OUT/kernels_even_split.jsonl" 2> "$OUT/even.err"
+      python3 bench/even_rule.py "$OUT/kernels_even_split.jsonl" ;;
     gemm)
       # the decode linears: cuBLAS vs bench/skinny_gemm.py (split-K Triton) at W2's batch sizes (~3 min)
       timeout 280 python3 bench/gemm_bench.py --preset qwen2.5-1.5b --batches 8,32,128,256 --out "$OUT/gemm.jsonl" \
@@ -68,6 +75,10 @@ for l in sys.stdin:
       timeout 200 python3 scripts/bench.py --workload W1-short,W3 --modes async --compare-legacy --sampling t1 \
         "${KNOB_ARGS[@]}" --out "$OUT/legacy$SUFFIX.jsonl" > "$OUT/legacy$SUFFIX.log" 2>&1
       summary "$OUT/legacy$SUFFIX.jsonl" ;;
+    w2fp8)  # W2 with fp8 KV only (an A/B of a knob against the w2 stage's fp8 record)
+      timeout 260 python3 scripts/bench.py --workload W2 --modes async --kv-cache-dtype fp8 --sampling t1 \
+        "${KNOB_ARGS[@]}" --out "$OUT/w2fp8$SUFFIX.jsonl" > "$OUT/w2fp8$SUFFIX.log" 2>&1
+      summary "$OUT/w2fp8$SUFFIX.jsonl" ;;
     w2)
       timeout 420 python3 scripts/bench.py --workload W2 --modes async --kv-cache-dtype auto,fp8 --logprob-check 8 \
         --sampling t1 "${KNOB_ARGS[@]}" --out "$OUT/w2$SUFFIX.jsonl" > "$OUT/w2$SUFFIX.log" 2>&1

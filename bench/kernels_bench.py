@@ -65,6 +65,15 @@ def long_tail_lens(batch: int, ctx: int, seed: int, lo: int = 512) -> list[int]:
     return lens
 
 
+def even_lens(batch: int, ctx: int, seed: int) -> list[int]:
+    """Even live contexts (longest <= 2 x mean, as every W2 step's: bench/w2_lengths.py): uniform in
+    [ctx / 3, ctx], the longest always present; the engine gives such a step the fixed split."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = (ctx / 3 + torch.rand(batch, generator=gen) * (ctx - ctx / 3)).long().tolist()
+    lens[0] = ctx
+    return lens
+
+
 def graph_ms(calls: list) -> float:
     """Median ms per call, replaying all ``calls`` in one CUDA graph (as the engine runs decode).
 
@@ -127,6 +136,18 @@ def decode_variants(args, batch: int, hkv: int, max_tiles: int, kv: str = "bf16"
         out.append(dict(variant="planned_fused", plan=True, fused_merge=True))  # and planned: no reduce launch
         # every length profile cut for all DECODE_WAVES waves (before even lengths got one wave)
         out.append(dict(variant="planned_all_waves", plan=True, split_target=choose_split_target(hkv, sms)))
+    if getattr(args, "compare_even", False):  # the even path's split: its rules, then fixed counts around them
+        from rollout.kernels.paged_decode import resident_programs
+
+        per_sm = resident_programs(torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16)
+        out.append(dict(variant="even", even_lengths=True, plan=True))  # as the engine runs it (the module's rule)
+        out.append(dict(variant="even_fused", even_lengths=True, plan=True, fused_merge=True))
+        for pct in (3, 5, 10):
+            out.append(dict(variant=f"even_oh{pct}", num_splits=choose_num_splits(batch, hkv, max_tiles, sms, per_sm,
+                                                                               pct)))
+        if kv == "fp8":  # sized for bf16's 4 resident programs (before FP8_PROGRAMS_PER_SM)
+            out.append(dict(variant="even_ps4", num_splits=choose_num_splits(batch, hkv, max_tiles, sms, 4, 0)))
+        out += [dict(variant="fixed", num_splits=s) for s in (1, 2, 3, 4, 6, 8, 12)]
     if args.sweep_splits:
         out += [dict(variant="fixed", num_splits=s) for s in (1, 2, 4, 8, 16, 32, 64)]
     if args.swap_ab:  # the products swapped (key tile as M): default tile, then a few others
@@ -145,7 +166,8 @@ def decode_variants(args, batch: int, hkv: int, max_tiles: int, kv: str = "bf16"
 def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: torch.dtype, kv: str) -> list[dict]:
     import rollout.kernels.paged_decode as pd
 
-    lens = long_tail_lens(batch, ctx, seed=batch) if args.lengths == "long-tail" else [ctx] * batch
+    lens = {"long-tail": long_tail_lens, "even": even_lens}.get(args.lengths, lambda b, c, seed: [c] * b)(
+        batch, ctx, seed=batch)
     fp8 = kv == "fp8"
     token_bytes = 2 * hkv * (d + 2 if fp8 else d * (torch.finfo(dtype).bits // 8))  # K + V, scales included
     kv_bytes = sum(lens) * token_bytes
@@ -160,7 +182,7 @@ def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: to
     default_config = pd.decode_config
     recs = []
     for var in decode_variants(args, batch, hkv, max_tiles, kv):
-        keys = ("num_splits", "split_target", "fused_merge", "swap_ab", "v_pages")
+        keys = ("num_splits", "split_target", "fused_merge", "swap_ab", "v_pages", "even_lengths")
         kw = {k: var[k] for k in keys if k in var}
         planned = var.get("plan", False)
         if "config" in var:
@@ -358,7 +380,10 @@ def main() -> None:
     parser.add_argument("--sweep-fp8", action="store_true",
                         help="also time the swapped fp8 kernel's tiles and wave counts (issue 23.1)")
     parser.add_argument("--sweep-decode", action="store_true", help="also time decode tile configs and wave counts")
-    parser.add_argument("--lengths", choices=["uniform", "long-tail"], default="uniform",
+    parser.add_argument("--compare-even", action="store_true",
+                        help="time the even split: the engine's rule, the wave-aware rule at 3/5/10%% overhead, "
+                             "fp8 sized for 4 programs per SM, fixed counts 1-12 (use with --lengths even)")
+    parser.add_argument("--lengths", choices=["uniform", "long-tail", "even"], default="uniform",
                         help="every context ctx tokens, or W2-like log-uniform in [512, ctx]")
     parser.add_argument("--kv", default="bf16", help="comma list of bf16, fp8 (cache types to time decode and prefill)")
     parser.add_argument("--sweep-prefill", action="store_true", help="time several prefill tile configs")

@@ -212,6 +212,35 @@ def check_backend_fp8(q_lens, seq_lens):
     assert_close(out, ref, 1e-4)
 
 
+def check_decode_fp8_even_split():
+    """Even lengths on an fp8 cache take the fixed split sized for fp8's resident programs (FP8_PROGRAMS_PER_SM),
+    not bf16's: bit for bit the fixed-split call with that count, which differs from bf16's here."""
+    import rollout.kernels.paged_decode as pd
+
+    lens = [300, 280, 310, 295]
+    q, _, values, scales, meta = fp8_scenario([1] * len(lens), lens, 4, 2, 16, 16)
+    block_n = pd.decode_config(16, 16, values[0].dtype)[0]
+    tiles, sms = -(-meta.block_tables.shape[1] * 16 // block_n), pd.num_sms(q.device)
+    fp8 = pd.choose_num_splits(4, 2, tiles, sms, pd.resident_programs(values[0].dtype))
+    assert fp8 != pd.choose_num_splits(4, 2, tiles, sms, pd.resident_programs(torch.bfloat16)), "must tell them apart"
+    want = pd.paged_decode_attention(q, values, meta.block_tables, meta.seq_lens, SCALE, kv_scales=scales,
+                                     num_splits=fp8)
+    plans: dict = {}
+    out = pd.paged_decode_attention(q, values, meta.block_tables, meta.seq_lens, SCALE, kv_scales=scales, plans=plans,
+                                    even_lengths=True)
+    assert torch.equal(out, want), "fp8's even split must be sized for its own resident programs"
+    # the fused merge on the even path keeps its zeroed counters in the step's dict (one set for every layer)
+    old, pd.FUSED_MERGE = pd.FUSED_MERGE, True
+    try:
+        for _ in range(2):
+            again = pd.paged_decode_attention(q, values, meta.block_tables, meta.seq_lens, SCALE, kv_scales=scales,
+                                              plans=plans, even_lengths=True)
+            assert_close(again, want, 1e-5)
+    finally:
+        pd.FUSED_MERGE = old
+    assert len(plans) == 1 and not next(iter(plans.values())).any(), "counters kept, and back at zero"
+
+
 def check_fp8_errors():
     from rollout.kernels.paged_decode import paged_decode_attention
 
@@ -257,6 +286,7 @@ CHECKS = {
     "prefill_fp8_window": lambda: check_prefill_fp8([1, 30, 45], [40, 30, 90], 4, 1, 16, 8, window=7),
     "backend_fp8_decode": lambda: check_backend_fp8([1, 1, 1], [4, 17, 33]),
     "backend_fp8_prefill": lambda: check_backend_fp8([3, 1, 20], [10, 17, 20]),
+    "decode_fp8_even_split": check_decode_fp8_even_split,
     "fp8_argument_errors": check_fp8_errors,
 }
 

@@ -445,6 +445,13 @@ def check_num_splits():
     assert choose_num_splits(1, 8, 256, 132) == 66
     assert choose_num_splits(1, 8, 3, 132) == 3  # never more splits than tiles
     assert choose_num_splits(1, 1, 10_000, 132) == 128  # capped
+    # fp8's kernel holds 6 programs per SM: W2's shapes (qwen2.5-1.5b, 2 kv heads, H200's 132 SMs)
+    assert [choose_num_splits(b, 2, 256, 132, per_sm=6) for b in (32, 128, 256)] == [12, 3, 1]
+    # the wave-aware rule: fp8 at B=256 (512 rows on 792 slots) takes 3 chunks, two full waves; bf16 keeps 1
+    assert choose_num_splits(256, 2, 256, 132, per_sm=6, overhead_pct=5) == 3
+    assert choose_num_splits(256, 2, 256, 132, per_sm=4, overhead_pct=5) == 1
+    assert choose_num_splits(128, 2, 256, 132, per_sm=6, overhead_pct=5) == 3  # one full wave already
+    assert choose_num_splits(1, 1, 3, 132, per_sm=6, overhead_pct=5) == 3  # never more splits than tiles
 
 
 def check_split_target():

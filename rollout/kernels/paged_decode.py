@@ -76,6 +76,14 @@ FUSED_MERGE = False
 # the fixed split (W1-short, W3: docs/benchmarks.md). Long tails keep the balanced partition.
 EVEN_FIXED_SPLIT = True
 FP8_DECODE_MAXNREG = 168  # registers per thread of the fp8 decode kernel (decode_config)
+# Resident programs per SM of the fp8 decode kernel (two warps at 168 registers: 65536 // (64 x 168) = 6;
+# bench/kernel_sass.py and Nsight Compute agree). The even split sized for bf16's PROGRAMS_PER_SM left a third of
+# fp8's slots empty: every W2 step has even lengths (bench/w2_lengths.py), so W2 with fp8 KV decoded on it.
+FP8_PROGRAMS_PER_SM = 6
+# The even split's rule (choose_num_splits). 0: the most chunks that fit one wave of resident programs. N > 0: the
+# count s minimizing waves(s) / s x (1 + N% x (s - 1)), the ragged last wave against N% per extra chunk (its partial
+# write and merge); e.g. fp8 at B=256 (512 rows on 792 slots: a 65% wave) takes 3 chunks (1536 rows: two full waves).
+EVEN_SPLIT_OVERHEAD_PCT = 0
 
 
 @triton.jit
@@ -453,10 +461,30 @@ def choose_split_target(num_kv_heads: int, sms: int, waves: int | None = None) -
     return max(1, waves * PROGRAMS_PER_SM * sms // max(1, num_kv_heads))
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_tiles: int, sms: int) -> int:
-    """One fixed split count per batch size: even lengths take it (``even_lengths``), and the bench's A/B."""
-    slots = PROGRAMS_PER_SM * sms
-    return max(1, min(slots // max(1, batch * num_kv_heads), MAX_SPLITS, max_tiles))
+def resident_programs(kv_dtype: torch.dtype) -> int:
+    """Decode programs one SM holds at once for this cache dtype (decode_config's tile and registers)."""
+    return FP8_PROGRAMS_PER_SM if is_fp8(kv_dtype) else PROGRAMS_PER_SM
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_tiles: int, sms: int, per_sm: int | None = None,
+                      overhead_pct: int | None = None) -> int:
+    """One fixed split count per batch size: even lengths take it (``even_lengths``), and the bench's A/B.
+
+    ``per_sm``: resident programs per SM (default PROGRAMS_PER_SM; ``resident_programs`` gives the cache's).
+    ``overhead_pct``: EVEN_SPLIT_OVERHEAD_PCT's rule (None: the module's value; 0: one wave).
+    """
+    slots = (PROGRAMS_PER_SM if per_sm is None else per_sm) * sms
+    rows = max(1, batch * num_kv_heads)
+    cap = max(1, min(MAX_SPLITS, max_tiles))
+    one_wave = max(1, min(slots // rows, cap))
+    pct = EVEN_SPLIT_OVERHEAD_PCT if overhead_pct is None else overhead_pct
+    if pct <= 0:
+        return one_wave
+
+    def cost(s: int) -> float:
+        return -(-rows * s // slots) / s * (1 + pct / 100 * (s - 1))
+
+    return min(range(1, min(cap, 4 * one_wave + 4) + 1), key=lambda s: (cost(s), s))
 
 
 def decode_plan(plans: dict, seq_lens: torch.Tensor, block_n: int, window: int, split_target: int,
@@ -564,7 +592,7 @@ def paged_decode_attention(
     block_n, warps, stages, *maxnreg = decode_config(page, d, ptrs[0].dtype)
     if even_lengths and EVEN_FIXED_SPLIT and num_splits is None:
         max_tiles = triton.cdiv(block_tables.shape[1] * page, block_n)
-        num_splits = choose_num_splits(batch, hkv, max_tiles, num_sms(q.device))
+        num_splits = choose_num_splits(batch, hkv, max_tiles, num_sms(q.device), resident_programs(ptrs[0].dtype))
     launch = dict(num_warps=warps, num_stages=stages)
     if maxnreg and maxnreg[0]:
         launch["maxnreg"] = maxnreg[0]
@@ -578,7 +606,7 @@ def paged_decode_attention(
         plan, seq_info = seq_lens, torch.empty((batch, 2), dtype=torch.int32, device=q.device)
     if fused_merge is None:
         fused_merge = FUSED_MERGE
-    if fused_merge and planned:  # one zeroed set per step: each layer's last chunks leave them at zero again
+    if fused_merge and plans is not None:  # one zeroed set per step: each layer's last chunks leave them at zero
         counters = plans.get(("counters", batch, hkv))
         if counters is None:
             counters = plans[("counters", batch, hkv)] = torch.zeros((batch, hkv), dtype=torch.int32, device=q.device)

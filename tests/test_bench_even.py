@@ -1,0 +1,45 @@
+"""The even-split A/B's bench side (CPU): kernels_bench's even lengths and --compare-even variants, and
+bench/even_rule.py's summary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from tests.script_helpers import load_bench
+
+
+def test_even_lens_are_even_and_hold_the_longest():
+    kb = load_bench("kernels_bench")
+    lens = kb.even_lens(256, 8192, seed=3)
+    assert len(lens) == 256 and lens[0] == 8192 and min(lens) >= 8192 // 3
+    assert max(lens) <= 2 * sum(lens) / len(lens), "the engine calls a step even when longest <= 2 x mean"
+
+
+def test_compare_even_variants(monkeypatch):
+    import rollout.kernels.paged_decode as pd
+
+    kb = load_bench("kernels_bench", "bench_kernels_even")
+    monkeypatch.setattr(pd, "num_sms", lambda device: 132)  # the H200's
+    args = argparse.Namespace(compare_even=True, compare_legacy=False, sweep_splits=False, swap_ab=False,
+                              sweep_fp8=False, sweep_decode=False)
+    fp8 = {v["variant"]: v for v in kb.decode_variants(args, 256, 2, 128, "fp8")}
+    bf16 = {v["variant"]: v for v in kb.decode_variants(args, 256, 2, 128, "bf16")}
+    assert fp8["even"]["even_lengths"] and "num_splits" not in fp8["even"]  # the engine's own choice
+    assert fp8["even_ps4"]["num_splits"] == 1 and "even_ps4" not in bf16
+    assert fp8["even_oh5"]["num_splits"] == 3 and bf16["even_oh5"]["num_splits"] == 1
+    fixed = [v["num_splits"] for v in kb.decode_variants(args, 256, 2, 128, "bf16") if v["variant"] == "fixed"]
+    assert fixed == [1, 2, 3, 4, 6, 8, 12]
+
+
+def test_even_rule_summary(tmp_path, capsys):
+    er = load_bench("even_rule")
+    recs = [dict(bench="decode", kv="fp8", B=256, ctx=8192, variant="fixed", num_splits=s, ms=ms)
+            for s, ms in ((1, 0.30), (2, 0.31), (3, 0.24))]
+    recs += [dict(bench="decode", kv="fp8", B=256, ctx=8192, variant="even", even_lengths=True, ms=0.30),
+             dict(bench="decode", kv="fp8", B=256, ctx=8192, variant="even_oh5", num_splits=3, ms=0.24)]
+    path = tmp_path / "k.jsonl"
+    path.write_text("not json\n" + "\n".join(json.dumps(r) for r in recs) + "\n")
+    er.main([str(path)])
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert row["best_splits"] == 3 and row["vs_best"]["even"] == 1.25 and row["vs_best"]["even_oh5(3)"] == 1.0
