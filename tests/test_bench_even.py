@@ -27,9 +27,10 @@ def test_compare_even_variants(monkeypatch):
     bf16 = {v["variant"]: v for v in kb.decode_variants(args, 256, 2, 128, "bf16")}
     assert fp8["even"]["even_lengths"] and "num_splits" not in fp8["even"]  # the engine's own choice
     assert fp8["even_ps4"]["num_splits"] == 1 and "even_ps4" not in bf16
-    assert fp8["even_oh5"]["num_splits"] == 3 and bf16["even_oh5"]["num_splits"] == 1
+    at128 = {v["variant"]: v for v in kb.decode_variants(args, 128, 2, 128, "fp8")}
+    assert fp8["even_one_wave"]["num_splits"] == 1 and at128["even_one_wave"]["num_splits"] == 3
     fixed = [v["num_splits"] for v in kb.decode_variants(args, 256, 2, 128, "bf16") if v["variant"] == "fixed"]
-    assert fixed == [1, 2, 3, 4, 6, 8, 12]
+    assert fixed == [1, 2, 3, 4, 6, 8, 12, 16]
 
 
 def test_even_rule_summary(tmp_path, capsys):
@@ -37,9 +38,9 @@ def test_even_rule_summary(tmp_path, capsys):
     recs = [dict(bench="decode", kv="fp8", B=256, ctx=8192, variant="fixed", num_splits=s, ms=ms)
             for s, ms in ((1, 0.30), (2, 0.31), (3, 0.24))]
     recs += [dict(bench="decode", kv="fp8", B=256, ctx=8192, variant="even", even_lengths=True, ms=0.30),
-             dict(bench="decode", kv="fp8", B=256, ctx=8192, variant="even_oh5", num_splits=3, ms=0.24)]
+             dict(bench="decode", kv="fp8", B=256, ctx=8192, variant="even_one_wave", num_splits=3, ms=0.24)]
     path = tmp_path / "k.jsonl"
     path.write_text("not json\n" + "\n".join(json.dumps(r) for r in recs) + "\n")
     er.main([str(path)])
     (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert row["best_splits"] == 3 and row["vs_best"]["even"] == 1.25 and row["vs_best"]["even_oh5(3)"] == 1.0
+    assert row["best_splits"] == 3 and row["vs_best"]["even"] == 1.25 and row["vs_best"]["even_one_wave(3)"] == 1.0

@@ -438,20 +438,20 @@ def check_decode_even_lengths_fixed_split():
 def check_num_splits():
     from rollout.kernels.paged_decode import choose_num_splits
 
-    assert choose_num_splits(256, 8, 256, 132) == 1  # batch alone fills the GPU
-    assert choose_num_splits(64, 8, 256, 132) == 1  # 512 programs: one wave of 4 per SM already
-    assert choose_num_splits(32, 8, 256, 132) == 2  # 512 programs, not 768 (a wave and a half)
-    assert choose_num_splits(8, 8, 256, 132) == 8
+    # the one-wave rule (min_splits=1: the legacy split)
+    assert choose_num_splits(256, 8, 256, 132, min_splits=1) == 1  # batch alone fills the GPU
+    assert choose_num_splits(64, 8, 256, 132, min_splits=1) == 1  # 512 programs: one wave of 4 per SM already
+    assert choose_num_splits(32, 8, 256, 132, min_splits=1) == 2  # 512 programs, not 768 (a wave and a half)
+    assert choose_num_splits(8, 8, 256, 132, min_splits=1) == 8
     assert choose_num_splits(1, 8, 256, 132) == 66
     assert choose_num_splits(1, 8, 3, 132) == 3  # never more splits than tiles
     assert choose_num_splits(1, 1, 10_000, 132) == 128  # capped
     # fp8's kernel holds 6 programs per SM: W2's shapes (qwen2.5-1.5b, 2 kv heads, H200's 132 SMs)
-    assert [choose_num_splits(b, 2, 256, 132, per_sm=6) for b in (32, 128, 256)] == [12, 3, 1]
-    # the wave-aware rule: fp8 at B=256 (512 rows on 792 slots) takes 3 chunks, two full waves; bf16 keeps 1
-    assert choose_num_splits(256, 2, 256, 132, per_sm=6, overhead_pct=5) == 3
-    assert choose_num_splits(256, 2, 256, 132, per_sm=4, overhead_pct=5) == 1
-    assert choose_num_splits(128, 2, 256, 132, per_sm=6, overhead_pct=5) == 3  # one full wave already
-    assert choose_num_splits(1, 1, 3, 132, per_sm=6, overhead_pct=5) == 3  # never more splits than tiles
+    assert [choose_num_splits(b, 2, 256, 132, per_sm=6, min_splits=1) for b in (32, 128, 256)] == [12, 3, 1]
+    # at least EVEN_MIN_SPLITS chunks: one wave left the longest of a step's even lengths to set its time
+    assert [choose_num_splits(b, 2, 256, 132, per_sm=6) for b in (32, 128, 200, 256)] == [12, 8, 8, 8]
+    assert [choose_num_splits(b, 2, 256, 132) for b in (32, 128, 256)] == [8, 8, 8]
+    assert choose_num_splits(256, 2, 5, 132) == 5  # the tiles still cap it
 
 
 def check_split_target():

@@ -80,10 +80,12 @@ FP8_DECODE_MAXNREG = 168  # registers per thread of the fp8 decode kernel (decod
 # bench/kernel_sass.py and Nsight Compute agree). The even split sized for bf16's PROGRAMS_PER_SM left a third of
 # fp8's slots empty: every W2 step has even lengths (bench/w2_lengths.py), so W2 with fp8 KV decoded on it.
 FP8_PROGRAMS_PER_SM = 6
-# The even split's rule (choose_num_splits). 0: the most chunks that fit one wave of resident programs. N > 0: the
-# count s minimizing waves(s) / s x (1 + N% x (s - 1)), the ragged last wave against N% per extra chunk (its partial
-# write and merge); e.g. fp8 at B=256 (512 rows on 792 slots: a 65% wave) takes 3 chunks (1536 rows: two full waves).
-EVEN_SPLIT_OVERHEAD_PCT = 0
+# Chunks per sequence of the even split at least (choose_num_splits; more when one wave of resident programs holds
+# more). One wave left each program a whole sequence's share, so the longest of a step's even lengths (up to 2 x
+# mean) set its time: H200, qwen2.5-1.5b, lengths in [ctx / 3, ctx] at 8K (bench/results/
+# h200_2026-12-03e_kernels_even_split_304158d.jsonl), 8 chunks against one wave's count: bf16 B=128 / 200 / 256
+# 1.08 / 1.11 / 1.03x faster, fp8 1.01 / 1.45 / 1.24x; 12 and 8 within 1.5% of each other from B=32 to 256.
+EVEN_MIN_SPLITS = 8
 
 
 @triton.jit
@@ -467,24 +469,16 @@ def resident_programs(kv_dtype: torch.dtype) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_tiles: int, sms: int, per_sm: int | None = None,
-                      overhead_pct: int | None = None) -> int:
+                      min_splits: int | None = None) -> int:
     """One fixed split count per batch size: even lengths take it (``even_lengths``), and the bench's A/B.
 
-    ``per_sm``: resident programs per SM (default PROGRAMS_PER_SM; ``resident_programs`` gives the cache's).
-    ``overhead_pct``: EVEN_SPLIT_OVERHEAD_PCT's rule (None: the module's value; 0: one wave).
+    The most chunks that fit one wave of ``per_sm`` resident programs per SM (default PROGRAMS_PER_SM;
+    ``resident_programs`` gives a cache's), and at least ``min_splits`` (None: EVEN_MIN_SPLITS; 1 gives the
+    previous one-wave rule), never more than MAX_SPLITS or the tiles.
     """
     slots = (PROGRAMS_PER_SM if per_sm is None else per_sm) * sms
-    rows = max(1, batch * num_kv_heads)
-    cap = max(1, min(MAX_SPLITS, max_tiles))
-    one_wave = max(1, min(slots // rows, cap))
-    pct = EVEN_SPLIT_OVERHEAD_PCT if overhead_pct is None else overhead_pct
-    if pct <= 0:
-        return one_wave
-
-    def cost(s: int) -> float:
-        return -(-rows * s // slots) / s * (1 + pct / 100 * (s - 1))
-
-    return min(range(1, min(cap, 4 * one_wave + 4) + 1), key=lambda s: (cost(s), s))
+    floor = EVEN_MIN_SPLITS if min_splits is None else min_splits
+    return max(1, min(max(slots // max(1, batch * num_kv_heads), floor), MAX_SPLITS, max_tiles))
 
 
 def decode_plan(plans: dict, seq_lens: torch.Tensor, block_n: int, window: int, split_target: int,
