@@ -131,7 +131,7 @@ def decode_variants(args, batch: int, hkv: int, max_tiles: int, kv: str = "bf16"
         out.append(dict(variant="planned_v_pages" if not V_PAGES else "planned_no_v_pages", plan=True,
                         v_pages=not V_PAGES))
     if args.compare_legacy:
-        out.append(dict(variant="legacy", num_splits=choose_num_splits(batch, hkv, max_tiles, sms, min_splits=1)))
+        out.append(dict(variant="legacy", num_splits=choose_num_splits(batch, hkv, max_tiles, sms)))
         out.append(dict(variant="fused", fused_merge=True))  # balanced, the merge in the split kernel
         out.append(dict(variant="planned_fused", plan=True, fused_merge=True))  # and planned: no reduce launch
         # every length profile cut for all DECODE_WAVES waves (before even lengths got one wave)
@@ -142,9 +142,11 @@ def decode_variants(args, batch: int, hkv: int, max_tiles: int, kv: str = "bf16"
         per_sm = resident_programs(torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16)
         out.append(dict(variant="even", even_lengths=True, plan=True))  # as the engine runs it (the module's rule)
         out.append(dict(variant="even_fused", even_lengths=True, plan=True, fused_merge=True))
-        out.append(dict(variant="even_one_wave", num_splits=choose_num_splits(batch, hkv, max_tiles, sms, per_sm, 1)))
-        if kv == "fp8":  # sized for bf16's 4 resident programs (before FP8_PROGRAMS_PER_SM)
-            out.append(dict(variant="even_ps4", num_splits=choose_num_splits(batch, hkv, max_tiles, sms, 4, 1)))
+        out.append(dict(variant="even_one_wave", num_splits=choose_num_splits(batch, hkv, max_tiles, sms, per_sm),
+                        fixed_min_chunk=0))  # the rule before EVEN_WAVES and EVEN_MIN_CHUNK_TILES
+        if kv == "fp8":  # one wave sized for bf16's 4 resident programs (before FP8_PROGRAMS_PER_SM)
+            out.append(dict(variant="even_ps4", num_splits=choose_num_splits(batch, hkv, max_tiles, sms, 4),
+                            fixed_min_chunk=0))
         out += [dict(variant="fixed", num_splits=s) for s in (1, 2, 3, 4, 6, 8, 12, 16)]
     if args.sweep_splits:
         out += [dict(variant="fixed", num_splits=s) for s in (1, 2, 4, 8, 16, 32, 64)]
@@ -180,7 +182,7 @@ def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: to
     default_config = pd.decode_config
     recs = []
     for var in decode_variants(args, batch, hkv, max_tiles, kv):
-        keys = ("num_splits", "split_target", "fused_merge", "swap_ab", "v_pages", "even_lengths")
+        keys = ("num_splits", "split_target", "fused_merge", "swap_ab", "v_pages", "even_lengths", "fixed_min_chunk")
         kw = {k: var[k] for k in keys if k in var}
         planned = var.get("plan", False)
         if "config" in var:
@@ -379,7 +381,7 @@ def main() -> None:
                         help="also time the swapped fp8 kernel's tiles and wave counts (issue 23.1)")
     parser.add_argument("--sweep-decode", action="store_true", help="also time decode tile configs and wave counts")
     parser.add_argument("--compare-even", action="store_true",
-                        help="time the even split: the engine's rule, the one-wave rule (before EVEN_MIN_SPLITS), "
+                        help="time the even split: the engine's rule, the one-wave rule (before EVEN_WAVES), "
                              "fp8 sized for 4 programs per SM, fixed counts 1-12 (use with --lengths even)")
     parser.add_argument("--lengths", choices=["uniform", "long-tail", "even"], default="uniform",
                         help="every context ctx tokens, or W2-like log-uniform in [512, ctx]")

@@ -370,8 +370,7 @@ class legacy_decode_split:
         pd = self.pd
         page, hkv, d = kv_shape(kv_cache)
         block_n = pd.decode_config(page, d, kv_halves(kv_cache)[0].dtype)[0]
-        return pd.choose_num_splits(q.shape[0], hkv, -(-self.max_model_len // block_n), pd.num_sms(q.device),
-                                    min_splits=1)
+        return pd.choose_num_splits(q.shape[0], hkv, -(-self.max_model_len // block_n), pd.num_sms(q.device))
 
     def decode(self, q, kv_cache, block_tables, seq_lens, scale, sliding_window=None, out=None, num_splits=None,
                **kw):  # fmt: skip
@@ -650,7 +649,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 DECODE_KNOBS = ("V_PAGES", "FUSED_MERGE", "DECODE_WAVES", "MIN_CHUNK_TILES", "PROGRAMS_PER_SM", "FP8_DECODE_MAXNREG",
-                "EVEN_FIXED_SPLIT", "FUSED_ROPE", "FP8_PROGRAMS_PER_SM", "EVEN_MIN_SPLITS")
+                "EVEN_FIXED_SPLIT", "FUSED_ROPE", "FP8_PROGRAMS_PER_SM", "EVEN_WAVES",
+                "EVEN_MIN_CHUNK_TILES")
 
 
 def parse_decode_knobs(text: str) -> dict[str, int]:

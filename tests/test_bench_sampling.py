@@ -85,8 +85,7 @@ def test_compare_legacy_builds_backends_with_the_fixed_split(bench):
     assert pd.paged_decode_attention is real, "the kernel must be restored after the block"
     backend._decode(q, cache, torch.zeros(3, 1, dtype=torch.int32), torch.ones(3, dtype=torch.int32), 0.1,
                     kv_scales=None)
-    expect = pd.choose_num_splits(3, 2, -(-4096 // pd.decode_config(16, 128, torch.bfloat16)[0]), pd.num_sms(q.device),
-                                  min_splits=1)
+    expect = pd.choose_num_splits(3, 2, -(-4096 // pd.decode_config(16, 128, torch.bfloat16)[0]), pd.num_sms(q.device))
     (args, kw), = calls
     assert args[7] == expect and kw == {"kv_scales": None}
     assert TritonAttentionBackend()._decode is real

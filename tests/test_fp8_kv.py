@@ -221,7 +221,8 @@ def check_decode_fp8_even_split():
     q, _, values, scales, meta = fp8_scenario([1] * len(lens), lens, 4, 2, 16, 16)
     block_n = pd.decode_config(16, 16, values[0].dtype)[0]
     tiles, sms = -(-meta.block_tables.shape[1] * 16 // block_n), pd.num_sms(q.device)
-    old_min, pd.EVEN_MIN_SPLITS = pd.EVEN_MIN_SPLITS, 1  # the one-wave count, which the resident programs decide
+    # one wave and no minimum chunk: the count alone, which the resident programs decide
+    old, (pd.EVEN_WAVES, pd.EVEN_MIN_CHUNK_TILES) = (pd.EVEN_WAVES, pd.EVEN_MIN_CHUNK_TILES), (1, 0)
     try:
         fp8 = pd.choose_num_splits(4, 2, tiles, sms, pd.resident_programs(values[0].dtype))
         bf16 = pd.choose_num_splits(4, 2, tiles, sms, pd.resident_programs(torch.bfloat16))
@@ -232,7 +233,7 @@ def check_decode_fp8_even_split():
         out = pd.paged_decode_attention(q, values, meta.block_tables, meta.seq_lens, SCALE, kv_scales=scales,
                                         plans=plans, even_lengths=True)
     finally:
-        pd.EVEN_MIN_SPLITS = old_min
+        pd.EVEN_WAVES, pd.EVEN_MIN_CHUNK_TILES = old
     assert torch.equal(out, want), "fp8's even split must be sized for its own resident programs"
     # the fused merge on the even path keeps its zeroed counters in the step's dict (one set for every layer)
     old, pd.FUSED_MERGE = pd.FUSED_MERGE, True

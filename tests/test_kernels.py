@@ -408,12 +408,14 @@ def check_decode_even_lengths_fixed_split():
     import rollout.kernels.paged_decode as pd
     from rollout.layers.triton_backend import TritonAttentionBackend
 
-    lens = [300, 280, 310, 295]
+    lens = [1300, 1200, 1350, 1280]  # ~21 tiles of 64: three chunks of EVEN_MIN_CHUNK_TILES
     q, cache, meta = scenario([1] * len(lens), lens, 4, 2, 16, 16)
     block_n = pd.decode_config(16, 16, cache.dtype)[0]
-    fixed = pd.choose_num_splits(4, 2, -(-meta.block_tables.shape[1] * 16 // block_n), pd.num_sms(q.device))
+    fixed = pd.choose_num_splits(4, 2, -(-meta.block_tables.shape[1] * 16 // block_n), pd.num_sms(q.device),
+                                 waves=pd.EVEN_WAVES)
     assert fixed > 1  # the check below must tell a split run from an unsplit one
-    want = pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, num_splits=fixed)
+    want = pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, num_splits=fixed,
+                                     fixed_min_chunk=pd.EVEN_MIN_CHUNK_TILES)
     plans: dict = {}
     out = pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, plans=plans, even_lengths=True)
     assert torch.equal(out, want) and not plans, "even lengths must take the fixed split, unplanned"
@@ -438,20 +440,31 @@ def check_decode_even_lengths_fixed_split():
 def check_num_splits():
     from rollout.kernels.paged_decode import choose_num_splits
 
-    # the one-wave rule (min_splits=1: the legacy split)
-    assert choose_num_splits(256, 8, 256, 132, min_splits=1) == 1  # batch alone fills the GPU
-    assert choose_num_splits(64, 8, 256, 132, min_splits=1) == 1  # 512 programs: one wave of 4 per SM already
-    assert choose_num_splits(32, 8, 256, 132, min_splits=1) == 2  # 512 programs, not 768 (a wave and a half)
-    assert choose_num_splits(8, 8, 256, 132, min_splits=1) == 8
+    # one wave (the legacy split)
+    assert choose_num_splits(256, 8, 256, 132) == 1  # batch alone fills the GPU
+    assert choose_num_splits(64, 8, 256, 132) == 1  # 512 programs: one wave of 4 per SM already
+    assert choose_num_splits(32, 8, 256, 132) == 2  # 512 programs, not 768 (a wave and a half)
+    assert choose_num_splits(8, 8, 256, 132) == 8
     assert choose_num_splits(1, 8, 256, 132) == 66
     assert choose_num_splits(1, 8, 3, 132) == 3  # never more splits than tiles
     assert choose_num_splits(1, 1, 10_000, 132) == 128  # capped
     # fp8's kernel holds 6 programs per SM: W2's shapes (qwen2.5-1.5b, 2 kv heads, H200's 132 SMs)
-    assert [choose_num_splits(b, 2, 256, 132, per_sm=6, min_splits=1) for b in (32, 128, 256)] == [12, 3, 1]
-    # at least EVEN_MIN_SPLITS chunks: one wave left the longest of a step's even lengths to set its time
-    assert [choose_num_splits(b, 2, 256, 132, per_sm=6) for b in (32, 128, 200, 256)] == [12, 8, 8, 8]
-    assert [choose_num_splits(b, 2, 256, 132) for b in (32, 128, 256)] == [8, 8, 8]
-    assert choose_num_splits(256, 2, 5, 132) == 5  # the tiles still cap it
+    assert [choose_num_splits(b, 2, 256, 132, per_sm=6) for b in (32, 128, 256)] == [12, 3, 1]
+    # the even path's EVEN_WAVES = 6 waves: W2 (bf16, fp8) and W3 (qwen3-0.6b, 8 kv heads, B=256: still one)
+    assert [choose_num_splits(b, 2, 256, 132, waves=6) for b in (128, 200, 256)] == [12, 7, 6]
+    assert [choose_num_splits(b, 2, 256, 132, per_sm=6, waves=6) for b in (128, 200, 256)] == [18, 11, 9]
+    assert choose_num_splits(256, 8, 256, 132, waves=6) == 1
+    assert choose_num_splits(256, 2, 5, 132, waves=6) == 5  # the tiles still cap it
+
+
+def check_decode_fixed_min_chunk():
+    """A fixed split with ``fixed_min_chunk``: a short sequence takes fewer chunks (one: written directly), a
+    long one all of them; the fused merge counts a sequence's own chunks."""
+    lens = [2, 1, 40, 100, 300, 1000, 65]
+    check_decode(4, 2, 16, 16, lens, splits=8, fixed_min_chunk=2)
+    check_decode(4, 2, 16, 8, lens, splits=5, fixed_min_chunk=3, window=150)
+    check_decode(4, 2, 16, 16, lens, splits=8, fixed_min_chunk=2, fused_merge=True)
+    check_decode(4, 2, 16, 16, lens, splits=6, fixed_min_chunk=100)  # every sequence in one chunk
 
 
 def check_split_target():
@@ -535,6 +548,7 @@ CHECKS = {
     "backend_mixed_decode_rows_window": lambda: check_backend_mixed_decode_rows(window=9),
     "num_splits_heuristic": check_num_splits,
     "decode_even_lengths_fixed_split": check_decode_even_lengths_fixed_split,
+    "decode_fixed_min_chunk": check_decode_fixed_min_chunk,
     "rope_kv_write": check_rope_kv_write,
     "model_fused_rope": check_model_fused_rope,
     "split_target": check_split_target,

@@ -80,12 +80,18 @@ FP8_DECODE_MAXNREG = 168  # registers per thread of the fp8 decode kernel (decod
 # bench/kernel_sass.py and Nsight Compute agree). The even split sized for bf16's PROGRAMS_PER_SM left a third of
 # fp8's slots empty: every W2 step has even lengths (bench/w2_lengths.py), so W2 with fp8 KV decoded on it.
 FP8_PROGRAMS_PER_SM = 6
-# Chunks per sequence of the even split at least (choose_num_splits; more when one wave of resident programs holds
-# more). One wave left each program a whole sequence's share, so the longest of a step's even lengths (up to 2 x
-# mean) set its time: H200, qwen2.5-1.5b, lengths in [ctx / 3, ctx] at 8K (bench/results/
-# h200_2026-12-03e_kernels_even_split_304158d.jsonl), 8 chunks against one wave's count: bf16 B=128 / 200 / 256
-# 1.08 / 1.11 / 1.03x faster, fp8 1.01 / 1.45 / 1.24x; 12 and 8 within 1.5% of each other from B=32 to 256.
-EVEN_MIN_SPLITS = 8
+# The even split's count (choose_num_splits): chunks per sequence for this many waves of resident programs (at least
+# one chunk). One wave (the previous rule) left each program a whole sequence's share, so the longest of a step's
+# even lengths (up to 2 x mean) set its time. H200, qwen2.5-1.5b, lengths in [ctx / 3, ctx] at 8K (bench/results/
+# h200_2026-12-03e_kernels_even_split_304158d.jsonl), fixed counts against one wave's: bf16 B=128 / 200 / 256 best
+# at 12 / 8 / 8 chunks (1.08 / 1.11 / 1.03x faster than one wave), fp8 at 12 / 8 / 8 (1.03 / 1.45 / 1.24x); 6
+# waves lands on 12 / 7 / 6 (bf16) and 18 / 11 / 9 (fp8), each within 1.5% of the best count timed.
+EVEN_WAVES = 6
+# ... and no chunk of the even split under this many key tiles (512 keys at BLOCK_N 64): a sequence of t tiles takes
+# min(num_splits, ceil(t / this)) chunks, the rest of its programs return at once. Short contexts cut finer cost
+# more in partial writes and merges than they balance: W1-short / W3 (1K) at 8 chunks of ~2 tiles ran 0.96 / 0.83x
+# the one-wave split (h200_2026-12-03e_legacy_3ba43f7.jsonl).
+EVEN_MIN_CHUNK_TILES = 8
 
 
 @triton.jit
@@ -305,10 +311,10 @@ def _decode_split_kernel(
     stride_bt,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, FIXED_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
-    V_TRANS: tl.constexpr, SCALE_CONTIG: tl.constexpr, DOT16: tl.constexpr, DOT_PREC: tl.constexpr,
-    SCAN_N: tl.constexpr, FUSED_MERGE: tl.constexpr, SWAP_AB: tl.constexpr, PLANNED: tl.constexpr,
-    WAVES: tl.constexpr, V_PAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, FIXED_SPLITS: tl.constexpr, FIXED_MIN_CHUNK: tl.constexpr, USE_WINDOW: tl.constexpr,
+    KV_FP8: tl.constexpr, V_TRANS: tl.constexpr, SCALE_CONTIG: tl.constexpr, DOT16: tl.constexpr,
+    DOT_PREC: tl.constexpr, SCAN_N: tl.constexpr, FUSED_MERGE: tl.constexpr, SWAP_AB: tl.constexpr,
+    PLANNED: tl.constexpr, WAVES: tl.constexpr, V_PAGES: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -317,6 +323,11 @@ def _decode_split_kernel(
         n = FIXED_SPLITS + b * 0
         first = b * FIXED_SPLITS
         seq_len = tl.load(seq_lens_ptr + b)
+        if FIXED_MIN_CHUNK > 0:  # a short sequence takes fewer chunks (none under FIXED_MIN_CHUNK tiles)
+            lo0, hi0 = _tile_range(seq_len, window, BLOCK_N, USE_WINDOW)
+            n = tl.minimum(n, tl.maximum((hi0 - lo0 + FIXED_MIN_CHUNK - 1) // FIXED_MIN_CHUNK, 1))
+            if pid - first >= n:
+                return
     else:
         if PLANNED:  # the step's partition, computed once (_decode_plan_kernel)
             b = tl.load(plan_ptr + 4 * pid)
@@ -469,16 +480,13 @@ def resident_programs(kv_dtype: torch.dtype) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_tiles: int, sms: int, per_sm: int | None = None,
-                      min_splits: int | None = None) -> int:
-    """One fixed split count per batch size: even lengths take it (``even_lengths``), and the bench's A/B.
-
-    The most chunks that fit one wave of ``per_sm`` resident programs per SM (default PROGRAMS_PER_SM;
-    ``resident_programs`` gives a cache's), and at least ``min_splits`` (None: EVEN_MIN_SPLITS; 1 gives the
-    previous one-wave rule), never more than MAX_SPLITS or the tiles.
-    """
-    slots = (PROGRAMS_PER_SM if per_sm is None else per_sm) * sms
-    floor = EVEN_MIN_SPLITS if min_splits is None else min_splits
-    return max(1, min(max(slots // max(1, batch * num_kv_heads), floor), MAX_SPLITS, max_tiles))
+                      waves: int = 1) -> int:
+    """One fixed split count per batch size: chunks per sequence for ``waves`` waves of ``per_sm`` resident
+    programs per SM (default PROGRAMS_PER_SM; ``resident_programs`` gives a cache's), at least one, never more
+    than MAX_SPLITS or the tiles. ``waves=1`` is the previous rule (``--compare-legacy``); the even path takes
+    EVEN_WAVES."""
+    slots = (PROGRAMS_PER_SM if per_sm is None else per_sm) * sms * waves
+    return max(1, min(slots // max(1, batch * num_kv_heads), MAX_SPLITS, max_tiles))
 
 
 def decode_plan(plans: dict, seq_lens: torch.Tensor, block_n: int, window: int, split_target: int,
@@ -531,6 +539,7 @@ def paged_decode_attention(
     waves: int | None = None,
     v_pages: bool | None = None,
     even_lengths: bool = False,
+    fixed_min_chunk: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (q: [B, Hq, D]) over its ``seq_lens[i]`` cached tokens.
 
@@ -549,7 +558,9 @@ def paged_decode_attention(
     target, 1 with an explicit one); with more than one, even lengths (longest <= 2 x mean) are cut for one
     wave only (``_find_chunk``). ``even_lengths``: the caller found this step's lengths even (longest <= 2 x
     mean); with ``num_splits`` None and EVEN_FIXED_SPLIT on, the step takes ``choose_num_splits``'s fixed count
-    for its batch size instead of the balanced partition. Returns ``out`` ([B, Hq, D], q's dtype).
+    for its batch size (EVEN_WAVES waves) instead of the balanced partition. ``fixed_min_chunk``: with a fixed
+    split, a sequence of t key tiles takes min(num_splits, ceil(t / fixed_min_chunk)) chunks (None:
+    EVEN_MIN_CHUNK_TILES on the even path, else 0 = exactly ``num_splits``). Returns ``out`` ([B, Hq, D], q's dtype).
     """
     check_paged_inputs(q, kv_cache, block_tables, kv_scales)
     window = check_window(sliding_window)
@@ -586,7 +597,12 @@ def paged_decode_attention(
     block_n, warps, stages, *maxnreg = decode_config(page, d, ptrs[0].dtype)
     if even_lengths and EVEN_FIXED_SPLIT and num_splits is None:
         max_tiles = triton.cdiv(block_tables.shape[1] * page, block_n)
-        num_splits = choose_num_splits(batch, hkv, max_tiles, num_sms(q.device), resident_programs(ptrs[0].dtype))
+        num_splits = choose_num_splits(batch, hkv, max_tiles, num_sms(q.device), resident_programs(ptrs[0].dtype),
+                                       EVEN_WAVES)
+        fixed_min_chunk = EVEN_MIN_CHUNK_TILES if fixed_min_chunk is None else fixed_min_chunk
+    fixed_min_chunk = fixed_min_chunk or 0
+    if fixed_min_chunk < 0:
+        raise ValueError(f"fixed_min_chunk must be >= 0; got {fixed_min_chunk}")
     launch = dict(num_warps=warps, num_stages=stages)
     if maxnreg and maxnreg[0]:
         launch["maxnreg"] = maxnreg[0]
@@ -616,7 +632,8 @@ def paged_decode_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, G_PAD=g_pad, HEAD_DIM=d, PAGE=page,
-        BLOCK_N=block_n, FIXED_SPLITS=num_splits or 0, USE_WINDOW=window > 0, **consts,
+        BLOCK_N=block_n, FIXED_SPLITS=num_splits or 0, FIXED_MIN_CHUNK=fixed_min_chunk if num_splits else 0,
+        USE_WINDOW=window > 0, **consts,
         DOT_PREC=dot_precision(q), SCAN_N=SCAN, FUSED_MERGE=fused_merge, SWAP_AB=swap_ab, PLANNED=planned,
         WAVES=waves, V_PAGES=v_pages, **launch,
     )  # fmt: skip
