@@ -411,11 +411,11 @@ def check_decode_even_lengths_fixed_split():
     lens = [1300, 1200, 1350, 1280]  # ~21 tiles of 64: three chunks of EVEN_MIN_CHUNK_TILES
     q, cache, meta = scenario([1] * len(lens), lens, 4, 2, 16, 16)
     block_n = pd.decode_config(16, 16, cache.dtype)[0]
-    fixed = pd.choose_num_splits(4, 2, -(-meta.block_tables.shape[1] * 16 // block_n), pd.num_sms(q.device),
-                                 waves=pd.EVEN_WAVES)
+    fixed, floor = pd.even_num_splits(4, 2, -(-meta.block_tables.shape[1] * 16 // block_n), pd.num_sms(q.device),
+                                      pd.PROGRAMS_PER_SM)
     assert fixed > 1  # the check below must tell a split run from an unsplit one
     want = pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, num_splits=fixed,
-                                     fixed_min_chunk=pd.EVEN_MIN_CHUNK_TILES)
+                                     fixed_min_chunk=pd.EVEN_MIN_CHUNK_TILES, fixed_min_splits=floor)
     plans: dict = {}
     out = pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, plans=plans, even_lengths=True)
     assert torch.equal(out, want) and not plans, "even lengths must take the fixed split, unplanned"
@@ -450,11 +450,22 @@ def check_num_splits():
     assert choose_num_splits(1, 1, 10_000, 132) == 128  # capped
     # fp8's kernel holds 6 programs per SM: W2's shapes (qwen2.5-1.5b, 2 kv heads, H200's 132 SMs)
     assert [choose_num_splits(b, 2, 256, 132, per_sm=6) for b in (32, 128, 256)] == [12, 3, 1]
-    # the even path's EVEN_WAVES = 6 waves: W2 (bf16, fp8) and W3 (qwen3-0.6b, 8 kv heads, B=256: still one)
-    assert [choose_num_splits(b, 2, 256, 132, waves=6) for b in (128, 200, 256)] == [12, 7, 6]
-    assert [choose_num_splits(b, 2, 256, 132, per_sm=6, waves=6) for b in (128, 200, 256)] == [18, 11, 9]
-    assert choose_num_splits(256, 8, 256, 132, waves=6) == 1
+    assert [choose_num_splits(b, 2, 256, 132, waves=6) for b in (128, 200, 256)] == [12, 7, 6]  # 6 waves
     assert choose_num_splits(256, 2, 5, 132, waves=6) == 5  # the tiles still cap it
+
+
+def check_even_num_splits():
+    """The even path: EVEN_WAVES (6) waves' count capped at EVEN_MAX_SPLITS (8), never under one wave's, which is
+    also the floor of a short sequence's chunks."""
+    import rollout.kernels.paged_decode as pd
+
+    assert (pd.EVEN_WAVES, pd.EVEN_MAX_SPLITS) == (6, 8)
+    bf16 = [pd.even_num_splits(b, 2, 256, 132, 4) for b in (32, 128, 200, 256)]  # W2's shapes
+    assert bf16 == [(8, 8), (8, 2), (7, 1), (6, 1)], bf16
+    fp8 = [pd.even_num_splits(b, 2, 256, 132, 6) for b in (16, 32, 128, 256)]
+    assert fp8 == [(24, 24), (12, 12), (8, 3), (8, 1)], fp8
+    assert pd.even_num_splits(256, 8, 256, 132, 4) == (1, 1)  # W3 (qwen3-0.6b, 8 kv heads): one wave already
+    assert pd.even_num_splits(32, 8, 256, 132, 4) == (8, 2)  # W1-short (llama3-8b): never under one wave's 2
 
 
 def check_decode_fixed_min_chunk():
@@ -465,6 +476,7 @@ def check_decode_fixed_min_chunk():
     check_decode(4, 2, 16, 8, lens, splits=5, fixed_min_chunk=3, window=150)
     check_decode(4, 2, 16, 16, lens, splits=8, fixed_min_chunk=2, fused_merge=True)
     check_decode(4, 2, 16, 16, lens, splits=6, fixed_min_chunk=100)  # every sequence in one chunk
+    check_decode(4, 2, 16, 16, lens, splits=6, fixed_min_chunk=100, fixed_min_splits=3)  # but three at least
 
 
 def check_split_target():
@@ -549,6 +561,7 @@ CHECKS = {
     "num_splits_heuristic": check_num_splits,
     "decode_even_lengths_fixed_split": check_decode_even_lengths_fixed_split,
     "decode_fixed_min_chunk": check_decode_fixed_min_chunk,
+    "even_num_splits": check_even_num_splits,
     "rope_kv_write": check_rope_kv_write,
     "model_fused_rope": check_model_fused_rope,
     "split_target": check_split_target,

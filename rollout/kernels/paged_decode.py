@@ -80,17 +80,19 @@ FP8_DECODE_MAXNREG = 168  # registers per thread of the fp8 decode kernel (decod
 # bench/kernel_sass.py and Nsight Compute agree). The even split sized for bf16's PROGRAMS_PER_SM left a third of
 # fp8's slots empty: every W2 step has even lengths (bench/w2_lengths.py), so W2 with fp8 KV decoded on it.
 FP8_PROGRAMS_PER_SM = 6
-# The even split's count (choose_num_splits): chunks per sequence for this many waves of resident programs (at least
-# one chunk). One wave (the previous rule) left each program a whole sequence's share, so the longest of a step's
-# even lengths (up to 2 x mean) set its time. H200, qwen2.5-1.5b, lengths in [ctx / 3, ctx] at 8K (bench/results/
-# h200_2026-12-03e_kernels_even_split_304158d.jsonl), fixed counts against one wave's: bf16 B=128 / 200 / 256 best
-# at 12 / 8 / 8 chunks (1.08 / 1.11 / 1.03x faster than one wave), fp8 at 12 / 8 / 8 (1.03 / 1.45 / 1.24x); 6
-# waves lands on 12 / 7 / 6 (bf16) and 18 / 11 / 9 (fp8), each within 1.5% of the best count timed.
+# The even split's count (even_num_splits): chunks per sequence for EVEN_WAVES waves of resident programs, at most
+# EVEN_MAX_SPLITS, never fewer than one wave's (the previous rule). One wave left each program a whole sequence's
+# share, so the longest of a step's even lengths (up to 2 x mean) set the step's time. H200, qwen2.5-1.5b, lengths in
+# [ctx / 3, ctx] at 8K (bench/results/h200_2026-12-03e_kernels_even_split_304158d.jsonl), fixed counts against one
+# wave's: bf16 B=128 / 200 / 256 best at 12 / 8 / 8 chunks (1.08 / 1.11 / 1.03x faster than one wave), fp8 at 12 /
+# 8 / 8 (1.03 / 1.45 / 1.24x). In W2 (h200_2026-12-03e_w2_*.jsonl): 8 chunks took fp8 KV to 1.247x bf16 (1.151x
+# at one wave); 6 waves uncapped (fp8 9-18 chunks) to 1.198x; bf16 0.757 / 0.760 of the floor either way.
 EVEN_WAVES = 6
-# ... and no chunk of the even split under this many key tiles (512 keys at BLOCK_N 64): a sequence of t tiles takes
-# min(num_splits, ceil(t / this)) chunks, the rest of its programs return at once. Short contexts cut finer cost
-# more in partial writes and merges than they balance: W1-short / W3 (1K) at 8 chunks of ~2 tiles ran 0.96 / 0.83x
-# the one-wave split (h200_2026-12-03e_legacy_3ba43f7.jsonl).
+EVEN_MAX_SPLITS = 8
+# ... and no chunk of the even split under this many key tiles (512 keys at BLOCK_N 64) unless one wave needs it: a
+# sequence of t tiles takes min(num_splits, max(one wave's count, ceil(t / this))) chunks, and the rest of its
+# programs return at once. Short contexts cut finer cost more in partial writes and merges than they balance:
+# W1-short / W3 (1K) at 8 chunks of ~2 tiles ran 0.96 / 0.83x the one-wave split (h200_2026-12-03e_legacy_3ba43f7).
 EVEN_MIN_CHUNK_TILES = 8
 
 
@@ -311,7 +313,8 @@ def _decode_split_kernel(
     stride_bt,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, FIXED_SPLITS: tl.constexpr, FIXED_MIN_CHUNK: tl.constexpr, USE_WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr, FIXED_SPLITS: tl.constexpr, FIXED_MIN_CHUNK: tl.constexpr, FIXED_MIN_SPLITS: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
     KV_FP8: tl.constexpr, V_TRANS: tl.constexpr, SCALE_CONTIG: tl.constexpr, DOT16: tl.constexpr,
     DOT_PREC: tl.constexpr, SCAN_N: tl.constexpr, FUSED_MERGE: tl.constexpr, SWAP_AB: tl.constexpr,
     PLANNED: tl.constexpr, WAVES: tl.constexpr, V_PAGES: tl.constexpr,
@@ -325,7 +328,7 @@ def _decode_split_kernel(
         seq_len = tl.load(seq_lens_ptr + b)
         if FIXED_MIN_CHUNK > 0:  # a short sequence takes fewer chunks (none under FIXED_MIN_CHUNK tiles)
             lo0, hi0 = _tile_range(seq_len, window, BLOCK_N, USE_WINDOW)
-            n = tl.minimum(n, tl.maximum((hi0 - lo0 + FIXED_MIN_CHUNK - 1) // FIXED_MIN_CHUNK, 1))
+            n = tl.minimum(n, tl.maximum((hi0 - lo0 + FIXED_MIN_CHUNK - 1) // FIXED_MIN_CHUNK, FIXED_MIN_SPLITS))
             if pid - first >= n:
                 return
     else:
@@ -484,9 +487,17 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_tiles: int, sms: int, p
     """One fixed split count per batch size: chunks per sequence for ``waves`` waves of ``per_sm`` resident
     programs per SM (default PROGRAMS_PER_SM; ``resident_programs`` gives a cache's), at least one, never more
     than MAX_SPLITS or the tiles. ``waves=1`` is the previous rule (``--compare-legacy``); the even path takes
-    EVEN_WAVES."""
+    EVEN_WAVES (even_num_splits)."""
     slots = (PROGRAMS_PER_SM if per_sm is None else per_sm) * sms * waves
     return max(1, min(slots // max(1, batch * num_kv_heads), MAX_SPLITS, max_tiles))
+
+
+def even_num_splits(batch: int, num_kv_heads: int, max_tiles: int, sms: int, per_sm: int) -> tuple[int, int]:
+    """(num_splits, fixed_min_splits) of the even path: EVEN_WAVES waves' count capped at EVEN_MAX_SPLITS but never
+    under one wave's, and one wave's count as the floor of a short sequence's chunks (EVEN_MIN_CHUNK_TILES)."""
+    one_wave = choose_num_splits(batch, num_kv_heads, max_tiles, sms, per_sm)
+    waves = choose_num_splits(batch, num_kv_heads, max_tiles, sms, per_sm, EVEN_WAVES)
+    return max(one_wave, min(waves, EVEN_MAX_SPLITS)), one_wave
 
 
 def decode_plan(plans: dict, seq_lens: torch.Tensor, block_n: int, window: int, split_target: int,
@@ -540,6 +551,7 @@ def paged_decode_attention(
     v_pages: bool | None = None,
     even_lengths: bool = False,
     fixed_min_chunk: int | None = None,
+    fixed_min_splits: int = 1,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (q: [B, Hq, D]) over its ``seq_lens[i]`` cached tokens.
 
@@ -558,9 +570,10 @@ def paged_decode_attention(
     target, 1 with an explicit one); with more than one, even lengths (longest <= 2 x mean) are cut for one
     wave only (``_find_chunk``). ``even_lengths``: the caller found this step's lengths even (longest <= 2 x
     mean); with ``num_splits`` None and EVEN_FIXED_SPLIT on, the step takes ``choose_num_splits``'s fixed count
-    for its batch size (EVEN_WAVES waves) instead of the balanced partition. ``fixed_min_chunk``: with a fixed
-    split, a sequence of t key tiles takes min(num_splits, ceil(t / fixed_min_chunk)) chunks (None:
-    EVEN_MIN_CHUNK_TILES on the even path, else 0 = exactly ``num_splits``). Returns ``out`` ([B, Hq, D], q's dtype).
+    for its batch size (``even_num_splits``) instead of the balanced partition. ``fixed_min_chunk``: with a fixed
+    split, a sequence of t key tiles takes min(num_splits, max(fixed_min_splits, ceil(t / fixed_min_chunk)))
+    chunks (None: EVEN_MIN_CHUNK_TILES and one wave's count on the even path, else 0 = exactly ``num_splits``).
+    Returns ``out`` ([B, Hq, D], q's dtype).
     """
     check_paged_inputs(q, kv_cache, block_tables, kv_scales)
     window = check_window(sliding_window)
@@ -597,12 +610,13 @@ def paged_decode_attention(
     block_n, warps, stages, *maxnreg = decode_config(page, d, ptrs[0].dtype)
     if even_lengths and EVEN_FIXED_SPLIT and num_splits is None:
         max_tiles = triton.cdiv(block_tables.shape[1] * page, block_n)
-        num_splits = choose_num_splits(batch, hkv, max_tiles, num_sms(q.device), resident_programs(ptrs[0].dtype),
-                                       EVEN_WAVES)
+        num_splits, fixed_min_splits = even_num_splits(batch, hkv, max_tiles, num_sms(q.device),
+                                                       resident_programs(ptrs[0].dtype))
         fixed_min_chunk = EVEN_MIN_CHUNK_TILES if fixed_min_chunk is None else fixed_min_chunk
     fixed_min_chunk = fixed_min_chunk or 0
-    if fixed_min_chunk < 0:
-        raise ValueError(f"fixed_min_chunk must be >= 0; got {fixed_min_chunk}")
+    if fixed_min_chunk < 0 or fixed_min_splits < 1:
+        raise ValueError(f"fixed_min_chunk must be >= 0 and fixed_min_splits >= 1; got {fixed_min_chunk}, "
+                         f"{fixed_min_splits}")
     launch = dict(num_warps=warps, num_stages=stages)
     if maxnreg and maxnreg[0]:
         launch["maxnreg"] = maxnreg[0]
@@ -633,6 +647,7 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         GROUP=group, G_PAD=g_pad, HEAD_DIM=d, PAGE=page,
         BLOCK_N=block_n, FIXED_SPLITS=num_splits or 0, FIXED_MIN_CHUNK=fixed_min_chunk if num_splits else 0,
+        FIXED_MIN_SPLITS=fixed_min_splits if num_splits and fixed_min_chunk else 1,
         USE_WINDOW=window > 0, **consts,
         DOT_PREC=dot_precision(q), SCAN_N=SCAN, FUSED_MERGE=fused_merge, SWAP_AB=swap_ab, PLANNED=planned,
         WAVES=waves, V_PAGES=v_pages, **launch,
