@@ -379,6 +379,24 @@ class legacy_decode_split:
         return self.kernel(q, kv_cache, block_tables, seq_lens, scale, sliding_window, out, num_splits, **kw)
 
 
+def warm_up(engine, prompts: list[list[int]], n: int, max_num_seqs: int, warm_kw: dict) -> None:
+    """Everything the timed run will compile or capture, run first: the run's prompts shifted by one token id (no
+    prefix-cache hit later) in groups of ``n`` as the run samples them, so the siblings' prefix-cache hits and the
+    mixed steps they join compile here (W2's records had a 1.2-1.5 s step there, inside the timing), then every
+    decode graph size, with even and uneven lengths. ``warm_kw``: the run's graph variant (greedy / filtered)."""
+    engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    shifted = [[t + 1 for t in p] for p in prompts[:max_num_seqs]]
+    engine.generate(shifted, SamplingParams(n=n, max_tokens=2, ignore_eos=True, **warm_kw))
+    warm = [[1] * 8] * min(len(prompts) * n, max_num_seqs)
+    engine.generate(warm, SamplingParams(max_tokens=2, ignore_eos=True, **warm_kw))
+    long = [1] * 64  # one long context among short ones: the graphs of uneven lengths (the balanced split)
+    for b in sorted(engine.runner.graph_sizes, reverse=True):
+        if b <= len(warm):
+            engine.generate(warm[:b], SamplingParams(max_tokens=3, ignore_eos=True, **warm_kw))
+            if b >= 3:  # two lengths are always even (the longest is at most their sum)
+                engine.generate(warm[: b - 1] + [long], SamplingParams(max_tokens=3, ignore_eos=True, **warm_kw))
+
+
 def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args: argparse.Namespace,
              push: bool | None = None, peak: float | None = None) -> dict:
     sampling = sampling_of(w, args)
@@ -387,22 +405,8 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
     engine, sizing = make_engine(hf, w, params, mode, args)
     if engine.kv.block_bytes != kv_block_bytes(w["preset"], args.kv_cache_dtype, engine.kv.config.block_size):
         sizing["kv_block_bytes_mismatch"] = engine.kv.block_bytes  # the budget's bytes are off: say so
-    engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
-    warm_kw = sampling_kw(sampling, 0)  # the graph variant (greedy / filtered) the run will replay
-    # The run's prompts once, each token id shifted by one (no prefix-cache hit later): the prefill steps' kernel
-    # compiles for these shapes stay out of the timing, as the decode graphs' captures below do.
-    shifted = [[t + 1 for t in p] for p in prompts[: args.max_num_seqs]]
-    engine.generate(shifted, SamplingParams(max_tokens=2, ignore_eos=True, **warm_kw))
-    # Warm (capture) every decode graph size the run will meet, so capture time stays out of the timing.
+    warm_up(engine, prompts, n, args.max_num_seqs, sampling_kw(sampling, 0))
     runner = engine.runner
-    warm = [[1] * 8] * min(len(prompts) * n, args.max_num_seqs)
-    engine.generate(warm, SamplingParams(max_tokens=2, ignore_eos=True, **warm_kw))
-    long = [1] * 64  # one long context among short ones: the graphs of uneven lengths (the balanced split)
-    for b in sorted(runner.graph_sizes, reverse=True):
-        if b <= len(warm):
-            engine.generate(warm[:b], SamplingParams(max_tokens=3, ignore_eos=True, **warm_kw))
-            if b >= 3:  # two lengths are always even (the longest is at most their sum)
-                engine.generate(warm[: b - 1] + [long], SamplingParams(max_tokens=3, ignore_eos=True, **warm_kw))
     runner.clock.records.clear()
     runner.clock.record_steps = True
     torch.cuda.synchronize()

@@ -91,3 +91,24 @@ def test_compare_legacy_builds_backends_with_the_fixed_split(bench):
     assert TritonAttentionBackend()._decode is real
     parser_args = bench.parse_args(["--workload", "W3", "--compare-legacy"])
     assert parser_args.compare_legacy
+
+
+def test_warm_up_samples_the_runs_groups_on_shifted_prompts(bench):
+    """The warm-up runs the run's prompts (shifted: no prefix-cache hit later) in groups of n, so the siblings'
+    prefix hits and mixed steps compile before the timing; then every decode graph size, even and uneven."""
+    calls = []
+
+    class Fake:
+        runner = argparse.Namespace(graph_sizes=[1, 2, 4, 8])
+
+        def generate(self, prompts, params):
+            calls.append((prompts, params))
+
+    w = dict(bench.WORKLOADS["W2"], prompts=3, new=300)
+    prompts, params = bench.make_prompts(w, 1000, "t1")
+    bench.warm_up(Fake(), prompts, 8, 256, bench.sampling_kw("t1", 0))
+    shifted = [c for c in calls if len(c[0]) == 3 and len(c[0][0]) == w["prompt_len"]]
+    assert len(shifted) == 1 and shifted[0][1].n == 8 == params[0].n
+    assert all(a[0] == b[0] + 1 for a, b in zip(shifted[0][0], prompts)), "shifted: no prefix shared with the run"
+    sizes = sorted({len(c[0]) for c in calls if c[1].max_tokens == 3})
+    assert sizes == [1, 2, 4, 8], "every graph size the run can reach (3 x 8 sequences) is captured"
