@@ -16,6 +16,7 @@
 #   w2_512   W2 at max_num_seqs 512: eager_decode_steps must be 0 (issue 23.3)
 #   w2mem    the memory-bound W2 (fp8 vs bf16, swap vs recompute at 30% of the KV need; issue 23.5)
 #   profile  one decode step's kernels, bf16 vs fp8 (bench/step_profile.py)
+#   even_profile  the same on even lengths (the fixed split every W2 step takes) at B=128 and 256
 #   fm_profile  the same at B=128 and 256 with the fused merge off and on (FUSED_MERGE: no reduce launch)
 #   ncu      Nsight Compute of the fp8 decode kernel with V page by page (sectors per copy: ideal is the bar)
 set -uo pipefail
@@ -93,6 +94,11 @@ for l in sys.stdin:
       summary "$OUT/w2mem$SUFFIX.jsonl" ;;
     profile)
       timeout 200 python3 bench/step_profile.py --kv auto,fp8 --out "$OUT/step_profile.jsonl" 2>&1 | tail -9 ;;
+    even_profile)  # W2's steps as they run (even lengths: the fixed split), B=128 and 256, bf16 vs fp8
+      for b in 128 256; do
+        timeout 140 python3 bench/step_profile.py --kv auto,fp8 --batch $b --ctx 8192 --lengths even \
+          "${KNOB_ARGS[@]}" --out "$OUT/step_profile_even$SUFFIX.jsonl" 2>&1 | tail -9
+      done ;;
     fm_profile)
       for b in 128 256; do
         for fm in 0 1; do

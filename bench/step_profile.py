@@ -7,6 +7,7 @@ graph replays) under ``torch.profiler``: per kernel name, one decode step's devi
 KV store, norms, sampling), and the step's wall time. One JSON line per dtype, then a side-by-side table.
 
     python bench/step_profile.py --kv auto,fp8 --out $OUT/step_profile.jsonl      # qwen2.5-1.5b, B=256, 16K tail
+    python bench/step_profile.py --kv auto,fp8 --batch 128 --ctx 8192 --lengths even   # W2's fixed-split steps
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.kernels_bench import long_tail_lens  # noqa: E402
+from bench.kernels_bench import even_lens, long_tail_lens  # noqa: E402
 from bench.score_bench import load_bench_script  # noqa: E402
 from rollout import Engine, SamplingParams  # noqa: E402
 
@@ -108,6 +109,9 @@ def main() -> None:
     p.add_argument("--preset", default="qwen2.5-1.5b")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--ctx", type=int, default=16384, help="longest context; the others log-uniform from 512")
+    p.add_argument("--lengths", choices=["long-tail", "even"], default="long-tail",
+                   help="long-tail: the balanced partition's steps; even (uniform in [ctx / 3, ctx]): the fixed "
+                        "split's, which every W2 step takes (bench/w2_lengths.py)")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--kv", default="auto,fp8", help="comma list of kv_cache_dtype values")
     p.add_argument("--mixed", type=int, default=0, metavar="TOKENS",
@@ -124,7 +128,7 @@ def main() -> None:
     bench.apply_decode_knobs(knobs)
     hf = bench.build_hf(args.preset)
     vocab = hf.config.vocab_size
-    lens = long_tail_lens(args.batch, args.ctx, seed=args.batch)
+    lens = (even_lens if args.lengths == "even" else long_tail_lens)(args.batch, args.ctx, seed=args.batch)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, vocab - 100, (n,), generator=gen).tolist() for n in lens]
     rows = {}
@@ -138,7 +142,7 @@ def main() -> None:
         eff = {"attn_decode": round(floors["attn_floor_ms"] / (by_class["attn_decode"] / 1e3), 3),
                "gemm": round(floors["gemm_floor_ms"] / (by_class["gemm"] / 1e3), 3)}
         top = sorted(step.items(), key=lambda kv: -kv[1])[:40]
-        rec = dict(bench="step_profile", preset=args.preset, kv_cache_dtype=kv, batch=args.batch,
+        rec = dict(bench="step_profile", preset=args.preset, kv_cache_dtype=kv, batch=args.batch, lengths=args.lengths,
                    mean_ctx=round(sum(lens) / len(lens)), steps=args.steps, commit=bench._commit(),
                    step_kernel_ms=round(sum(step.values()) / 1e3, 3), step_wall_ms=round(wall_ms, 3),
                    by_class_ms={k: round(v / 1e3, 3) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
