@@ -56,9 +56,9 @@ for stage in "$@"; do
         --ctxs 1024,12288 --kv bf16,fp8 --no-prefill --compare-legacy > "$OUT/kernels_even.jsonl" 2>> "$OUT/kernels.err"
       summary "$OUT/kernels_even.jsonl" ;;
     even)
-      # the even-lengths split (every W2 step: bench/w2_lengths.py) at W2's batch sizes: the engine's rule, the
-      # wave-aware rule, fp8 sized for 4 programs per SM, fixed counts 1-12 (~3 min)
-      timeout 280 python3 bench/kernels_bench.py --preset qwen2.5-1.5b --lengths even --batches 32,128,200,256 \
+      # the even-lengths split (every W2 step: bench/w2_lengths.py) at W2's batch sizes: the engine's rule, one wave,
+      # fp8 sized for 4 programs per SM, the balanced partition at 1 / 2 / 4 / 8 waves, fixed counts 1-16 (~3 min)
+      timeout 280 python3 bench/kernels_bench.py --preset qwen2.5-1.5b --lengths even --batches 32,64,128,200,256 \
         --ctxs 8192 --kv bf16,fp8 --no-prefill --compare-even > "$OUT/kernels_even_split.jsonl" 2> "$OUT/even.err"
       python3 bench/even_rule.py "$OUT/kernels_even_split.jsonl" ;;
     gemm)

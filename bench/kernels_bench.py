@@ -147,6 +147,11 @@ def decode_variants(args, batch: int, hkv: int, max_tiles: int, kv: str = "bf16"
         if kv == "fp8":  # one wave sized for bf16's 4 resident programs (before FP8_PROGRAMS_PER_SM)
             out.append(dict(variant="even_ps4", num_splits=choose_num_splits(batch, hkv, max_tiles, sms, 4),
                             fixed_min_chunk=0))
+        # the balanced partition cut for several waves (its even-lengths default is one wave, like the old fixed
+        # rule): chunks of equal tiles, so a long sequence gets more of them, where a fixed count cuts every
+        # sequence alike
+        out += [dict(variant=f"planned_w{w}", plan=True, split_target=choose_split_target(hkv, sms * per_sm // 4, w))
+                for w in (2, 4, 8)]  # fmt: skip
         out += [dict(variant="fixed", num_splits=s) for s in (1, 2, 3, 4, 6, 8, 12, 16)]
     if args.sweep_splits:
         out += [dict(variant="fixed", num_splits=s) for s in (1, 2, 4, 8, 16, 32, 64)]

@@ -29,6 +29,9 @@ def test_compare_even_variants(monkeypatch):
     assert fp8["even_ps4"]["num_splits"] == 1 and "even_ps4" not in bf16
     at128 = {v["variant"]: v for v in kb.decode_variants(args, 128, 2, 128, "fp8")}
     assert fp8["even_one_wave"]["num_splits"] == 1 and at128["even_one_wave"]["num_splits"] == 3
+    # the balanced partition cut for 2 / 4 / 8 waves of the cache's resident programs (fp8: 6 per SM)
+    assert [fp8[f"planned_w{w}"]["split_target"] for w in (2, 4, 8)] == [w * 6 * 132 // 2 for w in (2, 4, 8)]
+    assert [bf16[f"planned_w{w}"]["split_target"] for w in (2, 4, 8)] == [w * 4 * 132 // 2 for w in (2, 4, 8)]
     fixed = [v["num_splits"] for v in kb.decode_variants(args, 256, 2, 128, "bf16") if v["variant"] == "fixed"]
     assert fixed == [1, 2, 3, 4, 6, 8, 12, 16]
 
