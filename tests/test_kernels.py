@@ -408,7 +408,7 @@ def check_decode_even_lengths_fixed_split():
     import rollout.kernels.paged_decode as pd
     from rollout.layers.triton_backend import TritonAttentionBackend
 
-    lens = [1300, 1200, 1350, 1280]  # ~21 tiles of 64: three chunks of EVEN_MIN_CHUNK_TILES
+    lens = [600, 560, 620, 590]  # ~10 tiles of 64: two chunks of EVEN_MIN_CHUNK_TILES
     q, cache, meta = scenario([1] * len(lens), lens, 4, 2, 16, 16)
     block_n = pd.decode_config(16, 16, cache.dtype)[0]
     fixed, floor = pd.even_num_splits(4, 2, -(-meta.block_tables.shape[1] * 16 // block_n), pd.num_sms(q.device),
@@ -471,7 +471,7 @@ def check_even_num_splits():
 def check_decode_fixed_min_chunk():
     """A fixed split with ``fixed_min_chunk``: a short sequence takes fewer chunks (one: written directly), a
     long one all of them; the fused merge counts a sequence's own chunks."""
-    lens = [2, 1, 40, 100, 300, 1000, 65]
+    lens = [2, 1, 40, 100, 300, 700, 65]
     check_decode(4, 2, 16, 16, lens, splits=8, fixed_min_chunk=2)
     check_decode(4, 2, 16, 8, lens, splits=5, fixed_min_chunk=3, window=150)
     check_decode(4, 2, 16, 16, lens, splits=8, fixed_min_chunk=2, fused_merge=True)
