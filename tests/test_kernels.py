@@ -426,6 +426,13 @@ def check_decode_even_lengths_fixed_split():
         assert len(plans) == 1, "with the switch off the balanced partition plans"
     finally:
         pd.EVEN_FIXED_SPLIT = old
+    old, pd.EVEN_MIN_ROWS = pd.EVEN_MIN_ROWS, 4 * 2 + 1  # one row more than this step's (sequence, kv head) rows
+    try:
+        small: dict = {}
+        pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, plans=small, even_lengths=True)
+        assert len(small) == 1, "under EVEN_MIN_ROWS even lengths take the balanced partition"
+    finally:
+        pd.EVEN_MIN_ROWS = old
     seen = []
     backend = TritonAttentionBackend()
     backend._decode = lambda *a, **kw: seen.append(kw["even_lengths"]) or torch.zeros_like(a[0])

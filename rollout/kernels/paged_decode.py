@@ -94,6 +94,10 @@ EVEN_MAX_SPLITS = 8
 # programs return at once. Short contexts cut finer cost more in partial writes and merges than they balance:
 # W1-short / W3 (1K) at 8 chunks of ~2 tiles ran 0.96 / 0.83x the one-wave split (h200_2026-12-03e_legacy_3ba43f7).
 EVEN_MIN_CHUNK_TILES = 8
+# Even lengths take the fixed split only from this many (sequence, kv head) rows; below, the balanced partition,
+# which cut W2-like even lengths 4-10% faster than any fixed count at B=32 with 2 kv heads (64 rows; the kernel
+# sweep above). 0 (the default until W2 times it: --decode-knobs EVEN_MIN_ROWS=256): every even step is fixed.
+EVEN_MIN_ROWS = 0
 
 
 @triton.jit
@@ -608,7 +612,7 @@ def paged_decode_attention(
     v_pages = bool(v_pages and swap_ab and consts["V_TRANS"])
     g_pad = max(8 if swap_ab else 16, triton.next_power_of_2(group))  # a dot's N may be 8, its M 16 at least
     block_n, warps, stages, *maxnreg = decode_config(page, d, ptrs[0].dtype)
-    if even_lengths and EVEN_FIXED_SPLIT and num_splits is None:
+    if even_lengths and EVEN_FIXED_SPLIT and num_splits is None and batch * hkv >= EVEN_MIN_ROWS:
         max_tiles = triton.cdiv(block_tables.shape[1] * page, block_n)
         num_splits, fixed_min_splits = even_num_splits(batch, hkv, max_tiles, num_sms(q.device),
                                                        resident_programs(ptrs[0].dtype))
