@@ -387,7 +387,8 @@ def main() -> None:
     parser.add_argument("--sweep-decode", action="store_true", help="also time decode tile configs and wave counts")
     parser.add_argument("--compare-even", action="store_true",
                         help="time the even split: the engine's rule, the one-wave rule (before EVEN_WAVES), "
-                             "fp8 sized for 4 programs per SM, fixed counts 1-12 (use with --lengths even)")
+                             "fp8 sized for 4 programs per SM, the balanced partition at 2/4/8 waves, fixed counts "
+                             "1-16 (use with --lengths even)")
     parser.add_argument("--lengths", choices=["uniform", "long-tail", "even"], default="uniform",
                         help="every context ctx tokens, or W2-like log-uniform in [512, ctx]")
     parser.add_argument("--kv", default="bf16", help="comma list of bf16, fp8 (cache types to time decode and prefill)")
