@@ -11,6 +11,8 @@
 #   gemm     the decode linears, cuBLAS vs a split-K Triton kernel (bench/gemm_bench.py, ~3 min)
 #   kernels  decode kernels at W2's shapes: balanced / planned / planned_all_waves (the one-wave cut of even
 #            lengths off) / fp8 V copied page by page (v_pages) / fixed split (bench/kernels_bench.py)
+#   w1       W1 (llama3-8b, 32 x 128 -> 8192) at t1: the floor-ratio bar of 0.90 (~2.5 min)
+#   partial  bench/partial_rollout.py at W2's 16K tail, drain vs partial (PARTIAL_MODES=drain to split calls)
 #   legacy   W1-short and W3 with the live-length split vs the previous fixed split (issue 23.4's bar)
 #   w2       W2 bf16 vs fp8 KV with the logprob check (the 1.3x bar), V_PAGES as the tree sets it
 #   w2_512   W2 at max_num_seqs 512: eager_decode_steps must be 0 (issue 23.3)
@@ -84,6 +86,14 @@ for l in sys.stdin:
       timeout 420 python3 scripts/bench.py --workload W2 --modes async --kv-cache-dtype auto,fp8 --logprob-check 8 \
         --sampling t1 "${KNOB_ARGS[@]}" --out "$OUT/w2$SUFFIX.jsonl" > "$OUT/w2$SUFFIX.log" 2>&1
       summary "$OUT/w2$SUFFIX.jsonl" ;;
+    w1)  # issue 23.2's W1 bar (>= 0.90 of the floor): llama3-8b, 32 x 128 -> 8192, t1
+      timeout ${W1_TIMEOUT:-220} python3 scripts/bench.py --workload W1 --modes async --sampling t1 \
+        "${KNOB_ARGS[@]}" --out "$OUT/w1$SUFFIX.jsonl" > "$OUT/w1$SUFFIX.log" 2>&1
+      summary "$OUT/w1$SUFFIX.jsonl" ;;
+    partial)  # issue 23.6: partial vs drain at W2's 16K tail (PARTIAL_MODES, PARTIAL_ROUNDS; one mode per call if long)
+      timeout ${PARTIAL_TIMEOUT:-540} python3 bench/partial_rollout.py --modes "${PARTIAL_MODES:-drain,partial}" \
+        --rounds "${PARTIAL_ROUNDS:-3}" --out "$OUT/partial.jsonl" > "$OUT/partial.log" 2>&1
+      tail -3 "$OUT/partial.log"; cat "$OUT/partial.jsonl" 2>/dev/null ;;
     w2_512)
       timeout 200 python3 scripts/bench.py --workload W2 --modes async --max-num-seqs 512 --sampling t1 \
         "${KNOB_ARGS[@]}" --out "$OUT/w2_512$SUFFIX.jsonl" > "$OUT/w2_512$SUFFIX.log" 2>&1
