@@ -462,8 +462,8 @@ def check_num_splits():
 
 
 def check_even_num_splits():
-    """The even path: EVEN_WAVES (6) waves' count capped at EVEN_MAX_SPLITS (8), never under one wave's, which is
-    also the floor of a short sequence's chunks."""
+    """The even path: EVEN_WAVES (6) waves' count capped at EVEN_MAX_SPLITS (8) and at the longest context's
+    EVEN_MIN_CHUNK_TILES-tile chunks, never under one wave's, which is also the floor of a short sequence's chunks."""
     import rollout.kernels.paged_decode as pd
 
     assert (pd.EVEN_WAVES, pd.EVEN_MAX_SPLITS) == (6, 8)
@@ -472,7 +472,10 @@ def check_even_num_splits():
     fp8 = [pd.even_num_splits(b, 2, 256, 132, 6) for b in (16, 32, 128, 256)]
     assert fp8 == [(24, 24), (12, 12), (8, 3), (8, 1)], fp8
     assert pd.even_num_splits(256, 8, 256, 132, 4) == (1, 1)  # W3 (qwen3-0.6b, 8 kv heads): one wave already
-    assert pd.even_num_splits(32, 8, 256, 132, 4) == (8, 2)  # W1-short (llama3-8b): never under one wave's 2
+    assert pd.even_num_splits(32, 8, 256, 132, 4) == (8, 2)  # llama3-8b at 16K: never under one wave's 2
+    # W1-short's max_model_len of 1,168 (18 tiles of 64) holds 2 chunks of 8 tiles: one wave's count, as legacy
+    assert pd.even_num_splits(32, 8, 18, 132, 4) == (2, 2)
+    assert pd.even_num_splits(128, 2, 40, 132, 6) == (5, 3)  # 40 tiles: at most 5 chunks of 8
 
 
 def check_decode_fixed_min_chunk():

@@ -93,6 +93,9 @@ EVEN_MAX_SPLITS = 8
 # sequence of t tiles takes min(num_splits, max(one wave's count, ceil(t / this))) chunks, and the rest of its
 # programs return at once. Short contexts cut finer cost more in partial writes and merges than they balance:
 # W1-short / W3 (1K) at 8 chunks of ~2 tiles ran 0.96 / 0.83x the one-wave split (h200_2026-12-03e_legacy_3ba43f7).
+# Nor more chunks than the graph's longest context (max_model_len) holds at this size: W1-short (1,168 tokens, 19
+# tiles) at 8 chunks with this minimum (2-3 working, the rest returning) ran 0.978x legacy's 2
+# (h200_2026-12-03f_legacy_e827763).
 EVEN_MIN_CHUNK_TILES = 8
 # Even lengths take the fixed split only from this many (sequence, kv head) rows; below, the balanced partition,
 # which cut W2-like even lengths 4-10% faster than any fixed count at B=32 with 2 kv heads (64 rows; the kernel
@@ -501,7 +504,10 @@ def even_num_splits(batch: int, num_kv_heads: int, max_tiles: int, sms: int, per
     under one wave's, and one wave's count as the floor of a short sequence's chunks (EVEN_MIN_CHUNK_TILES)."""
     one_wave = choose_num_splits(batch, num_kv_heads, max_tiles, sms, per_sm)
     waves = choose_num_splits(batch, num_kv_heads, max_tiles, sms, per_sm, EVEN_WAVES)
-    return max(one_wave, min(waves, EVEN_MAX_SPLITS)), one_wave
+    # no more chunks than the longest context the graph holds (max_tiles) cuts into EVEN_MIN_CHUNK_TILES-tile ones:
+    # beyond that every extra program returns at once, and a short max_model_len stays on one wave's (legacy) count
+    longest = max_tiles // max(1, EVEN_MIN_CHUNK_TILES)
+    return max(one_wave, min(waves, EVEN_MAX_SPLITS, longest)), one_wave
 
 
 def decode_plan(plans: dict, seq_lens: torch.Tensor, block_n: int, window: int, split_target: int,
