@@ -12,6 +12,7 @@
 #   kernels  decode kernels at W2's shapes: balanced / planned / planned_all_waves (the one-wave cut of even
 #            lengths off) / fp8 V copied page by page (v_pages) / fixed split (bench/kernels_bench.py)
 #   w1       W1 (llama3-8b, 32 x 128 -> 8192) at t1: the floor-ratio bar of 0.90 (~2.5 min)
+#   w1cmp    W1 with --compare-legacy (~5 min); w1_profile: its step's kernels, the even split vs 2 chunks (~2 min)
 #   partial  bench/partial_rollout.py at W2's 16K tail, drain vs partial (PARTIAL_MODES=drain to split calls)
 #   legacy   W1-short and W3 with the live-length split vs the previous fixed split (issue 23.4's bar)
 #   w2       W2 bf16 vs fp8 KV with the logprob check (the 1.3x bar), V_PAGES as the tree sets it
@@ -90,6 +91,15 @@ for l in sys.stdin:
       timeout ${W1_TIMEOUT:-220} python3 scripts/bench.py --workload W1 --modes async --sampling t1 \
         "${KNOB_ARGS[@]}" --out "$OUT/w1$SUFFIX.jsonl" > "$OUT/w1$SUFFIX.log" 2>&1
       summary "$OUT/w1$SUFFIX.jsonl" ;;
+    w1cmp)  # W1 against the one-wave split in one run (live, legacy, live again): is the even split W1's lost 6%?
+      timeout ${W1_TIMEOUT:-420} python3 scripts/bench.py --workload W1 --modes async --sampling t1 --compare-legacy \
+        "${KNOB_ARGS[@]}" --out "$OUT/w1cmp$SUFFIX.jsonl" > "$OUT/w1cmp$SUFFIX.log" 2>&1
+      summary "$OUT/w1cmp$SUFFIX.jsonl" ;;
+    w1_profile)  # one W1-shaped step (llama3-8b, B=32, even lengths to 8K) kernel by kernel: the even split vs 2 chunks
+      for knobs in "" EVEN_MAX_SPLITS=2; do
+        timeout 150 python3 bench/step_profile.py --preset llama3-8b --kv auto --batch 32 --ctx 8192 --lengths even \
+          ${knobs:+--decode-knobs $knobs} --out "$OUT/step_profile_w1.jsonl" 2>&1 | tail -8
+      done ;;
     partial)  # issue 23.6: partial vs drain at W2's 16K tail (PARTIAL_MODES, PARTIAL_ROUNDS; one mode per call if long)
       timeout ${PARTIAL_TIMEOUT:-540} python3 bench/partial_rollout.py --modes "${PARTIAL_MODES:-drain,partial}" \
         --rounds "${PARTIAL_ROUNDS:-3}" --out "$OUT/partial.jsonl" > "$OUT/partial.log" 2>&1
