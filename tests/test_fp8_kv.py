@@ -222,7 +222,8 @@ def check_decode_fp8_even_split():
     block_n = pd.decode_config(16, 16, values[0].dtype)[0]
     tiles, sms = -(-meta.block_tables.shape[1] * 16 // block_n), pd.num_sms(q.device)
     # one wave and no minimum chunk: the count alone, which the resident programs decide
-    old, (pd.EVEN_WAVES, pd.EVEN_MIN_CHUNK_TILES) = (pd.EVEN_WAVES, pd.EVEN_MIN_CHUNK_TILES), (1, 0)
+    old = pd.EVEN_WAVES, pd.EVEN_MIN_CHUNK_TILES, pd.FP8_EVEN_MIN_CHUNK_TILES
+    pd.EVEN_WAVES, pd.EVEN_MIN_CHUNK_TILES, pd.FP8_EVEN_MIN_CHUNK_TILES = 1, 0, 0
     try:
         fp8 = pd.choose_num_splits(4, 2, tiles, sms, pd.resident_programs(values[0].dtype))
         bf16 = pd.choose_num_splits(4, 2, tiles, sms, pd.resident_programs(torch.bfloat16))
@@ -233,7 +234,7 @@ def check_decode_fp8_even_split():
         out = pd.paged_decode_attention(q, values, meta.block_tables, meta.seq_lens, SCALE, kv_scales=scales,
                                         plans=plans, even_lengths=True)
     finally:
-        pd.EVEN_WAVES, pd.EVEN_MIN_CHUNK_TILES = old
+        pd.EVEN_WAVES, pd.EVEN_MIN_CHUNK_TILES, pd.FP8_EVEN_MIN_CHUNK_TILES = old
     assert torch.equal(out, want), "fp8's even split must be sized for its own resident programs"
     # the fused merge on the even path keeps its zeroed counters in the step's dict (one set for every layer)
     old, pd.FUSED_MERGE = pd.FUSED_MERGE, True
@@ -244,6 +245,31 @@ def check_decode_fp8_even_split():
     finally:
         pd.FUSED_MERGE = old
     assert len(plans) == 1 and not next(iter(plans.values())).any(), "counters kept, and back at zero"
+
+
+def check_decode_fp8_even_min_chunk():
+    """An fp8 cache's even split cuts chunks of FP8_EVEN_MIN_CHUNK_TILES, not bf16's EVEN_MIN_CHUNK_TILES: bit for
+    bit the fixed-split call with fp8's minimum (4 chunks of 2 tiles here; bf16's 5 would leave one)."""
+    import rollout.kernels.paged_decode as pd
+
+    lens = [500, 520, 480, 510, 490, 505, 515, 495]  # ~8 key tiles of 64 each
+    q, _, values, scales, meta = fp8_scenario([1] * len(lens), lens, 4, 2, 16, 16)
+    block_n = pd.decode_config(16, 16, values[0].dtype)[0]
+    tiles, sms = -(-meta.block_tables.shape[1] * 16 // block_n), pd.num_sms(q.device)
+    old = pd.EVEN_MIN_CHUNK_TILES, pd.FP8_EVEN_MIN_CHUNK_TILES
+    pd.EVEN_MIN_CHUNK_TILES, pd.FP8_EVEN_MIN_CHUNK_TILES = 5, 2
+    try:
+        assert pd.even_min_chunk_tiles(values[0].dtype) == 2 and pd.even_min_chunk_tiles(torch.bfloat16) == 5
+        n, floor = pd.even_num_splits(len(lens), 2, tiles, sms, pd.resident_programs(values[0].dtype), 2)
+        assert (n, floor) == (4, 1), (n, floor)
+        assert pd.even_num_splits(len(lens), 2, tiles, sms, pd.resident_programs(values[0].dtype), 5)[0] == 1
+        want = pd.paged_decode_attention(q, values, meta.block_tables, meta.seq_lens, SCALE, kv_scales=scales,
+                                         num_splits=n, fixed_min_chunk=2, fixed_min_splits=floor)
+        out = pd.paged_decode_attention(q, values, meta.block_tables, meta.seq_lens, SCALE, kv_scales=scales,
+                                        plans={}, even_lengths=True)
+    finally:
+        pd.EVEN_MIN_CHUNK_TILES, pd.FP8_EVEN_MIN_CHUNK_TILES = old
+    assert torch.equal(out, want), "fp8's even split must take FP8_EVEN_MIN_CHUNK_TILES"
 
 
 def check_fp8_errors():
@@ -292,6 +318,7 @@ CHECKS = {
     "backend_fp8_decode": lambda: check_backend_fp8([1, 1, 1], [4, 17, 33]),
     "backend_fp8_prefill": lambda: check_backend_fp8([3, 1, 20], [10, 17, 20]),
     "decode_fp8_even_split": check_decode_fp8_even_split,
+    "decode_fp8_even_min_chunk": check_decode_fp8_even_min_chunk,
     "fp8_argument_errors": check_fp8_errors,
 }
 

@@ -97,6 +97,11 @@ EVEN_MAX_SPLITS = 8
 # tiles) at 8 chunks with this minimum (2-3 working, the rest returning) ran 0.978x legacy's 2
 # (h200_2026-12-03f_legacy_e827763).
 EVEN_MIN_CHUNK_TILES = 8
+# The same minimum for an fp8 cache. W2's decode steps at 256 sequences (mean context ~2K, bench/w2_lengths.py) ran
+# 5.153 ms with 8 chunks of ~4 tiles (3ba43f7, no minimum) against 5.352 ms with this minimum at 8 (e827763, ~4
+# chunks): fp8's kernel, six programs an SM, wants the extra programs there. 8 until W2 times 4 in one run
+# (--decode-knobs FP8_EVEN_MIN_CHUNK_TILES=4).
+FP8_EVEN_MIN_CHUNK_TILES = 8
 # Even lengths take the fixed split only from this many (sequence, kv head) rows; below, the balanced partition,
 # which cut W2-like even lengths 4-10% faster than any fixed count at B=32 with 2 kv heads (64 rows; the kernel
 # sweep above). 0 (the default until W2 times it: --decode-knobs EVEN_MIN_ROWS=256): every even step is fixed.
@@ -499,14 +504,22 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_tiles: int, sms: int, p
     return max(1, min(slots // max(1, batch * num_kv_heads), MAX_SPLITS, max_tiles))
 
 
-def even_num_splits(batch: int, num_kv_heads: int, max_tiles: int, sms: int, per_sm: int) -> tuple[int, int]:
+def even_min_chunk_tiles(kv_dtype: torch.dtype) -> int:
+    """The even split's smallest chunk in key tiles for this cache dtype (FP8_EVEN_MIN_CHUNK_TILES for fp8)."""
+    return FP8_EVEN_MIN_CHUNK_TILES if is_fp8(kv_dtype) else EVEN_MIN_CHUNK_TILES
+
+
+def even_num_splits(batch: int, num_kv_heads: int, max_tiles: int, sms: int, per_sm: int,
+                    min_chunk_tiles: int | None = None) -> tuple[int, int]:
     """(num_splits, fixed_min_splits) of the even path: EVEN_WAVES waves' count capped at EVEN_MAX_SPLITS but never
-    under one wave's, and one wave's count as the floor of a short sequence's chunks (EVEN_MIN_CHUNK_TILES)."""
+    under one wave's, and one wave's count as the floor of a short sequence's chunks, which are at least
+    ``min_chunk_tiles`` (default EVEN_MIN_CHUNK_TILES) above that floor."""
     one_wave = choose_num_splits(batch, num_kv_heads, max_tiles, sms, per_sm)
     waves = choose_num_splits(batch, num_kv_heads, max_tiles, sms, per_sm, EVEN_WAVES)
-    # no more chunks than the longest context the graph holds (max_tiles) cuts into EVEN_MIN_CHUNK_TILES-tile ones:
+    # no more chunks than the longest context the graph holds (max_tiles) cuts into min_chunk_tiles-tile ones:
     # beyond that every extra program returns at once, and a short max_model_len stays on one wave's (legacy) count
-    longest = max_tiles // max(1, EVEN_MIN_CHUNK_TILES)
+    min_chunk_tiles = EVEN_MIN_CHUNK_TILES if min_chunk_tiles is None else min_chunk_tiles
+    longest = max_tiles // max(1, min_chunk_tiles)
     return max(one_wave, min(waves, EVEN_MAX_SPLITS, longest)), one_wave
 
 
@@ -620,9 +633,9 @@ def paged_decode_attention(
     block_n, warps, stages, *maxnreg = decode_config(page, d, ptrs[0].dtype)
     if even_lengths and EVEN_FIXED_SPLIT and num_splits is None and batch * hkv >= EVEN_MIN_ROWS:
         max_tiles = triton.cdiv(block_tables.shape[1] * page, block_n)
+        fixed_min_chunk = even_min_chunk_tiles(ptrs[0].dtype) if fixed_min_chunk is None else fixed_min_chunk
         num_splits, fixed_min_splits = even_num_splits(batch, hkv, max_tiles, num_sms(q.device),
-                                                       resident_programs(ptrs[0].dtype))
-        fixed_min_chunk = EVEN_MIN_CHUNK_TILES if fixed_min_chunk is None else fixed_min_chunk
+                                                       resident_programs(ptrs[0].dtype), fixed_min_chunk)
     fixed_min_chunk = fixed_min_chunk or 0
     if fixed_min_chunk < 0 or fixed_min_splits < 1:
         raise ValueError(f"fixed_min_chunk must be >= 0 and fixed_min_splits >= 1; got {fixed_min_chunk}, "
