@@ -43,3 +43,15 @@ def test_even_lengths() -> None:
     assert even_lengths([300, 280, 310]) and even_lengths([5]) and even_lengths([2, 2, 2, 6])
     assert not even_lengths([100] * 7 + [16000]) and not even_lengths([1, 1, 1, 7])
     assert not even_lengths([])
+
+
+def test_split_kind() -> None:
+    """Uneven / even / uniform (the longest within 1/8 of the shortest), uniform only when the backend asks."""
+    from rollout.engine.runners.graphs import EVEN, UNEVEN, UNIFORM, split_kind
+
+    assert split_kind([100] * 7 + [16000], uniform=True) == UNEVEN
+    assert split_kind([300, 280, 310], uniform=True) == UNIFORM  # 310 <= 280 * 9 / 8
+    assert split_kind([300, 280, 310]) == EVEN  # not asked: uniform steps stay on the even path (and its graphs)
+    assert split_kind([2, 2, 2, 6], uniform=True) == EVEN
+    assert split_kind([1152] * 32, uniform=True) == UNIFORM  # W1-short: every sequence the same length
+    assert split_kind([800, 900], uniform=True) == UNIFORM and split_kind([800, 901], uniform=True) == EVEN

@@ -444,6 +444,43 @@ def check_decode_even_lengths_fixed_split():
     assert seen == [False, True], seen
 
 
+def check_decode_uniform_one_wave():
+    """Uniform lengths (``even_lengths=2``) with UNIFORM_ONE_WAVE take one wave's count and no minimum chunk (bit
+    for bit that fixed-split call); with it off, the even rule; the backend reports the knob as ``uniform_split``."""
+    import rollout.kernels.paged_decode as pd
+    from rollout.engine.runners.graphs import UNIFORM, split_kind
+    from rollout.layers.triton_backend import TritonAttentionBackend
+
+    lens = [600, 560, 620, 590]
+    assert split_kind(lens, uniform=True) == UNIFORM
+    q, cache, meta = scenario([1] * len(lens), lens, 4, 2, 16, 16)
+    block_n = pd.decode_config(16, 16, cache.dtype)[0]
+    tiles, sms = -(-meta.block_tables.shape[1] * 16 // block_n), pd.num_sms(q.device)
+    one_wave = pd.choose_num_splits(4, 2, tiles, sms, pd.PROGRAMS_PER_SM)
+    args = (q, cache, meta.block_tables, meta.seq_lens, SCALE)
+    old = pd.UNIFORM_ONE_WAVE, pd.EVEN_MIN_CHUNK_TILES
+    pd.EVEN_MIN_CHUNK_TILES = 1  # the even rule then cuts more chunks than one wave: the check tells them apart
+    try:
+        even_n, floor = pd.even_num_splits(4, 2, tiles, sms, pd.PROGRAMS_PER_SM)
+        assert even_n > one_wave, (even_n, one_wave)
+        even = pd.paged_decode_attention(*args, num_splits=even_n, fixed_min_chunk=1, fixed_min_splits=floor)
+        wave = pd.paged_decode_attention(*args, num_splits=one_wave, fixed_min_chunk=0)
+        assert not torch.equal(even, wave)
+        pd.UNIFORM_ONE_WAVE = False
+        assert not TritonAttentionBackend().uniform_split
+        off = pd.paged_decode_attention(*args, plans={}, even_lengths=UNIFORM)
+        pd.UNIFORM_ONE_WAVE = True
+        assert TritonAttentionBackend().uniform_split
+        on = pd.paged_decode_attention(*args, plans={}, even_lengths=UNIFORM)
+        evens = pd.paged_decode_attention(*args, plans={}, even_lengths=True)
+    finally:
+        pd.UNIFORM_ONE_WAVE, pd.EVEN_MIN_CHUNK_TILES = old
+    assert torch.equal(off, even), "with UNIFORM_ONE_WAVE off a uniform step takes the even rule"
+    assert torch.equal(on, wave), "a uniform step takes one wave's count with no minimum chunk"
+    assert torch.equal(evens, even), "even (not uniform) steps keep the even rule"
+    assert_close(on, reference_attention(q, cache, meta, SCALE), 1e-4)
+
+
 def check_num_splits():
     from rollout.kernels.paged_decode import choose_num_splits
 
@@ -567,6 +604,7 @@ CHECKS = {
     "backend_mixed_decode_rows_window": lambda: check_backend_mixed_decode_rows(window=9),
     "num_splits_heuristic": check_num_splits,
     "decode_even_lengths_fixed_split": check_decode_even_lengths_fixed_split,
+    "decode_uniform_one_wave": check_decode_uniform_one_wave,
     "decode_fixed_min_chunk": check_decode_fixed_min_chunk,
     "even_num_splits": check_even_num_splits,
     "rope_kv_write": check_rope_kv_write,

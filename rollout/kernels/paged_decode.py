@@ -106,6 +106,12 @@ FP8_EVEN_MIN_CHUNK_TILES = 8
 # which cut W2-like even lengths 4-10% faster than any fixed count at B=32 with 2 kv heads (64 rows; the kernel
 # sweep above). 0 (the default until W2 times it: --decode-knobs EVEN_MIN_ROWS=256): every even step is fixed.
 EVEN_MIN_ROWS = 0
+# Uniform lengths (``even_lengths=2``: the longest within 1/8 of the shortest, as every step of W1, W1-short and W3)
+# take one wave's count with no minimum chunk, the rule the llama3-8b sweep of 2026-11-29 chose for B = 1..256:
+# equal chunks of equal sequences fill one wave exactly, so more chunks only add partials to write and merge. Off
+# (False: uniform steps take the even rule, and runners do not tell them apart) until W1 times it
+# (--decode-knobs UNIFORM_ONE_WAVE=1; W1 ran 9.49 ms a step at cff1531 against 8.91 at one wave on 2026-11-29).
+UNIFORM_ONE_WAVE = False
 
 
 @triton.jit
@@ -572,7 +578,7 @@ def paged_decode_attention(
     plans: dict | None = None,
     waves: int | None = None,
     v_pages: bool | None = None,
-    even_lengths: bool = False,
+    even_lengths: bool | int = False,
     fixed_min_chunk: int | None = None,
     fixed_min_splits: int = 1,
 ) -> torch.Tensor:
@@ -593,7 +599,9 @@ def paged_decode_attention(
     target, 1 with an explicit one); with more than one, even lengths (longest <= 2 x mean) are cut for one
     wave only (``_find_chunk``). ``even_lengths``: the caller found this step's lengths even (longest <= 2 x
     mean); with ``num_splits`` None and EVEN_FIXED_SPLIT on, the step takes ``choose_num_splits``'s fixed count
-    for its batch size (``even_num_splits``) instead of the balanced partition. ``fixed_min_chunk``: with a fixed
+    for its batch size (``even_num_splits``) instead of the balanced partition; 2 says they are uniform too
+    (the longest within 1/8 of the shortest), which with UNIFORM_ONE_WAVE takes one wave's count and no minimum
+    chunk (otherwise as 1). ``fixed_min_chunk``: with a fixed
     split, a sequence of t key tiles takes min(num_splits, max(fixed_min_splits, ceil(t / fixed_min_chunk)))
     chunks (None: EVEN_MIN_CHUNK_TILES and one wave's count on the even path, else 0 = exactly ``num_splits``).
     Returns ``out`` ([B, Hq, D], q's dtype).
@@ -633,9 +641,13 @@ def paged_decode_attention(
     block_n, warps, stages, *maxnreg = decode_config(page, d, ptrs[0].dtype)
     if even_lengths and EVEN_FIXED_SPLIT and num_splits is None and batch * hkv >= EVEN_MIN_ROWS:
         max_tiles = triton.cdiv(block_tables.shape[1] * page, block_n)
-        fixed_min_chunk = even_min_chunk_tiles(ptrs[0].dtype) if fixed_min_chunk is None else fixed_min_chunk
-        num_splits, fixed_min_splits = even_num_splits(batch, hkv, max_tiles, num_sms(q.device),
-                                                       resident_programs(ptrs[0].dtype), fixed_min_chunk)
+        if even_lengths == 2 and UNIFORM_ONE_WAVE:  # uniform: one wave's equal chunks, no minimum
+            num_splits = choose_num_splits(batch, hkv, max_tiles, num_sms(q.device), resident_programs(ptrs[0].dtype))
+            fixed_min_chunk = 0 if fixed_min_chunk is None else fixed_min_chunk
+        else:
+            fixed_min_chunk = even_min_chunk_tiles(ptrs[0].dtype) if fixed_min_chunk is None else fixed_min_chunk
+            num_splits, fixed_min_splits = even_num_splits(batch, hkv, max_tiles, num_sms(q.device),
+                                                           resident_programs(ptrs[0].dtype), fixed_min_chunk)
     fixed_min_chunk = fixed_min_chunk or 0
     if fixed_min_chunk < 0 or fixed_min_splits < 1:
         raise ValueError(f"fixed_min_chunk must be >= 0 and fixed_min_splits >= 1; got {fixed_min_chunk}, "

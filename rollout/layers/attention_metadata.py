@@ -56,7 +56,8 @@ class AttentionMetadata:
     # A decode-only step whose live context lengths the runner found even (longest <= 2 x mean, from its host
     # copies): the decode kernel may take a fixed split count for the batch size (paged_decode_attention's
     # ``even_lengths``). A runner replaying graphs keys them by it, so the kernel's choice stays a host constant.
-    decode_even_lengths: bool = False
+    # 0 / False: uneven, 1 / True: even, 2: uniform (rollout.engine.runners.graphs.split_kind).
+    decode_even_lengths: int = 0
 
     @property
     def num_seqs(self) -> int:

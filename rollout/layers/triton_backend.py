@@ -43,6 +43,14 @@ class TritonAttentionBackend:
         self._prefill = paged_prefill_attention
         self.decode_num_splits = decode_num_splits  # None = balanced over the live context lengths
 
+    @property
+    def uniform_split(self) -> bool:
+        """Whether runners should tell uniform decode lengths apart (graphs.split_kind): the decode kernel's
+        UNIFORM_ONE_WAVE, read at each step so a knob set after the engine was built still counts."""
+        from rollout.kernels import paged_decode
+
+        return bool(paged_decode.UNIFORM_ONE_WAVE)
+
     def forward(
         self,
         q: torch.Tensor,

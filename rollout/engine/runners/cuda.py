@@ -29,7 +29,7 @@ from rollout.engine.runners.base import (
     make_sampling,
     mixed_decode_rows,
 )
-from rollout.engine.runners.graphs import even_lengths, graph_sizes, padded_size
+from rollout.engine.runners.graphs import UNEVEN, graph_sizes, padded_size, split_kind
 from rollout.engine.runners.inputs import HostInputs, build_host_inputs
 from rollout.engine.runners.io_slot import IOSlot, SlotShape
 from rollout.engine.runners.kv_cache import KVCache
@@ -107,7 +107,7 @@ class CudaRunner:
         self.cuda_graphs = cuda_graphs
         self.mixed_decode = attn_backend.uses_decode_rows
         self.graph_sizes = graph_sizes(max_graph_batch_size, max_num_rows)
-        self.graphs: dict[tuple[int, int, tuple[bool, ...], bool], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int, tuple[bool, ...], int], torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
         self._next_slot = 0
         self._last_rows: dict[int, int] = {}  # seq_id -> its sample's row in the previous step's output buffer
@@ -123,7 +123,8 @@ class CudaRunner:
         b, t = len(plan.seqs), len(h.input_ids)
         graph_b = self._graph_size(h)
         decode = h.decode_only
-        even = decode and even_lengths(h.seq_lens)  # the decode kernel's split kind: a graph per kind
+        # the decode kernel's split kind (graphs.split_kind): a graph per kind
+        even = split_kind(h.seq_lens, getattr(self.attn_backend, "uniform_split", False)) if decode else UNEVEN
         if slot.used:
             slot.h2d_done.synchronize()  # the pinned buffers' last copy (two steps ago) is done
         pen_rows, pen_new = self.penalties.assign(h.sample_plans) if h.has_penalties else (None, [])
@@ -255,10 +256,10 @@ class CudaRunner:
         copy_blocks(self.kv.layers, slot.dev_view("copy_src", n), slot.dev_view("copy_dst", n))
 
     def _forward(self, slot: IOSlot, t: int, b: int, n_rows: int, h: HostInputs | None,
-                 variant: tuple[bool, ...], count: bool = True, even: bool = False) -> PromptLogprobs | None:
+                 variant: tuple[bool, ...], count: bool = True, even: int = UNEVEN) -> PromptLogprobs | None:
         """Carry-over, forward and sampling on slot views; graph-capturable when ``h`` is None. ``count``:
         add the samples to the penalty counts (not in a graph's eager warm-up, whose replay counts them).
-        ``even``: a decode step with even live lengths (``AttentionMetadata.decode_even_lengths``)."""
+        ``even``: a decode step's split kind (graphs.split_kind; ``AttentionMetadata.decode_even_lengths``)."""
         prev = self.slots[slot.index ^ 1].out_tokens
         carry = slot.dev_view("carry", t)
         ids = torch.where(carry >= 0, prev[carry.clamp(min=0)], slot.dev_view("input_ids", t))
@@ -296,7 +297,7 @@ class CudaRunner:
             slot.out_top_lps[:n_rows, : self.num_top].copy_(out.top_lps)
         return out.prompt
 
-    def _replay(self, slot: IOSlot, b: int, variant: tuple[bool, ...], even: bool) -> None:
+    def _replay(self, slot: IOSlot, b: int, variant: tuple[bool, ...], even: int) -> None:
         key = (slot.index, b, variant, even)
         graph = self.graphs.get(key)
         if graph is None:

@@ -32,6 +32,19 @@ def even_lengths(lens: list[int]) -> bool:
     return bool(lens) and max(lens) * len(lens) <= 2 * sum(lens)
 
 
+# A decode step's split kind (``AttentionMetadata.decode_even_lengths``; the decode kernel's ``even_lengths``): a
+# long tail takes the balanced partition, even lengths the fixed split, and uniform ones (the longest within 1/8 of
+# the shortest: every sequence of W1, W1-short and W3, which start together and never stop early) one wave's count.
+UNEVEN, EVEN, UNIFORM = 0, 1, 2
+
+
+def split_kind(lens: list[int], uniform: bool = False) -> int:
+    """UNEVEN, EVEN or (with ``uniform``, the attention backend's ``uniform_split``) UNIFORM for these lengths."""
+    if not even_lengths(lens):
+        return UNEVEN
+    return UNIFORM if uniform and max(lens) * 8 <= min(lens) * 9 else EVEN
+
+
 def use_cuda_graphs(cuda_graphs: bool | None, backend: str) -> bool:
     """``cuda_graphs=None``: on for every graph-capturable attention backend (all but 'torch')."""
     if cuda_graphs is None:
