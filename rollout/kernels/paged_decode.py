@@ -643,7 +643,6 @@ def paged_decode_attention(
         max_tiles = triton.cdiv(block_tables.shape[1] * page, block_n)
         if even_lengths == 2 and UNIFORM_ONE_WAVE:  # uniform: one wave's equal chunks, no minimum
             num_splits = choose_num_splits(batch, hkv, max_tiles, num_sms(q.device), resident_programs(ptrs[0].dtype))
-            fixed_min_chunk = 0 if fixed_min_chunk is None else fixed_min_chunk
         else:
             fixed_min_chunk = even_min_chunk_tiles(ptrs[0].dtype) if fixed_min_chunk is None else fixed_min_chunk
             num_splits, fixed_min_splits = even_num_splits(batch, hkv, max_tiles, num_sms(q.device),

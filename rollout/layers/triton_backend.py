@@ -34,6 +34,7 @@ class TritonAttentionBackend:
     fuses_rope = True
 
     def __init__(self, decode_num_splits: int | None = None) -> None:
+        from rollout.kernels import paged_decode
         from rollout.kernels.kv_write import write_kv_triton
         from rollout.kernels.paged_decode import paged_decode_attention
         from rollout.kernels.paged_prefill import paged_prefill_attention
@@ -42,14 +43,13 @@ class TritonAttentionBackend:
         self._decode = paged_decode_attention
         self._prefill = paged_prefill_attention
         self.decode_num_splits = decode_num_splits  # None = balanced over the live context lengths
+        self._decode_module = paged_decode  # its knobs, read per step (uniform_split)
 
     @property
     def uniform_split(self) -> bool:
         """Whether runners should tell uniform decode lengths apart (graphs.split_kind): the decode kernel's
         UNIFORM_ONE_WAVE, read at each step so a knob set after the engine was built still counts."""
-        from rollout.kernels import paged_decode
-
-        return bool(paged_decode.UNIFORM_ONE_WAVE)
+        return bool(self._decode_module.UNIFORM_ONE_WAVE)
 
     def forward(
         self,
