@@ -99,19 +99,22 @@ EVEN_MAX_SPLITS = 8
 EVEN_MIN_CHUNK_TILES = 8
 # The same minimum for an fp8 cache. W2's decode steps at 256 sequences (mean context ~2K, bench/w2_lengths.py) ran
 # 5.153 ms with 8 chunks of ~4 tiles (3ba43f7, no minimum) against 5.352 ms with this minimum at 8 (e827763, ~4
-# chunks): fp8's kernel, six programs an SM, wants the extra programs there. 8 until W2 times 4 in one run
-# (--decode-knobs FP8_EVEN_MIN_CHUNK_TILES=4).
-FP8_EVEN_MIN_CHUNK_TILES = 8
+# chunks): fp8's kernel, six programs an SM, wants the extra programs there. At 4 (with EVEN_MIN_ROWS=128 in the
+# session of 2026-12-03, h200_2026-12-03g_w2_knobs_0e4691e.jsonl) the 256-sequence bucket took 5.266 ms against
+# 5.352 at 8, bf16 unchanged; the smaller buckets' loss in that run is EVEN_MIN_ROWS's (see there).
+FP8_EVEN_MIN_CHUNK_TILES = 4
 # Even lengths take the fixed split only from this many (sequence, kv head) rows; below, the balanced partition,
 # which cut W2-like even lengths 4-10% faster than any fixed count at B=32 with 2 kv heads (64 rows; the kernel
-# sweep above). 0 (the default until W2 times it: --decode-knobs EVEN_MIN_ROWS=256): every even step is fixed.
+# sweep above). In W2 at 128 (h200_2026-12-03g_w2_knobs_0e4691e.jsonl) fp8's steps under 64 sequences ran 2.5-3%
+# slower (2.769 / 4.533 ms against 2.691 / 4.423), bf16's 1% faster: the kernel sweep's edge does not survive the
+# engine, so 0: every even step is fixed.
 EVEN_MIN_ROWS = 0
 # Uniform lengths (``even_lengths=2``: the longest within 1/8 of the shortest, as every step of W1, W1-short and W3)
 # take one wave's count with no minimum chunk, the rule the llama3-8b sweep of 2026-11-29 chose for B = 1..256:
-# equal chunks of equal sequences fill one wave exactly, so more chunks only add partials to write and merge. Off
-# (False: uniform steps take the even rule, and runners do not tell them apart) until W1 times it
-# (--decode-knobs UNIFORM_ONE_WAVE=1; W1 ran 9.49 ms a step at cff1531 against 8.91 at one wave on 2026-11-29).
-UNIFORM_ONE_WAVE = False
+# equal chunks of equal sequences fill one wave exactly, so more chunks only add partials to write and merge. W1
+# (t1) on the H200: 9.140 ms a step, 0.833 of the floor, with it (h200_2026-12-03g_w1uniform_0e4691e.jsonl) against
+# 9.494 ms, 0.802, on the even rule (h200_2026-12-03f_w1_cff1531.jsonl). False: uniform steps take the even rule.
+UNIFORM_ONE_WAVE = True
 
 
 @triton.jit
