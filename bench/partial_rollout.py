@@ -113,6 +113,10 @@ def run(mode: str, hf: torch.nn.Module, args: argparse.Namespace) -> dict:
             v = t.policy_versions
             versions_ok &= v == sorted(v) and set(v) <= set(pushes) and (mode == "partial" or set(v) <= {r})
         rounds.append(res.metrics)
+        m = res.metrics  # one line per round as it ends: a run cut off by its time limit still tells its rounds
+        print(f"{mode} round {r + 1}/{args.rounds}: {m['round_time_s']:.2f} s, handed out {m['completion_tokens']} "
+              f"tokens, occupancy {m['mean_batch_size'] / args.max_num_seqs:.3f}, carried over "
+              f"{m['carried_over_tokens']}", file=sys.stderr, flush=True)
         if r + 1 < args.rounds:
             pushes.append(actor.update_weights(hf.named_parameters()))
     if cuda:
@@ -121,18 +125,34 @@ def run(mode: str, hf: torch.nn.Module, args: argparse.Namespace) -> dict:
     generated = engine.get_stats().num_generated_tokens - gen0
     handed = sum(m["completion_tokens"] for m in rounds)
     occupancy = [m["mean_batch_size"] / args.max_num_seqs for m in rounds]
+    steady = steady_state(rounds, args.warmup_rounds)
     return dict(
         workload="W2-actor", timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), mode=mode,
         preset=args.preset, prompts=args.prompts, n=args.n, new_tokens=args.new, rounds=args.rounds,
         recompute_running=not args.keep_kv, wall_s=round(wall, 3), generated_tokens=generated,
         tok_s=round(generated / wall, 1), handed_out_tokens=handed, handed_out_tok_s=round(handed / wall, 1),
         round_time_s=[round(m["round_time_s"], 2) for m in rounds],
+        handed_out_tokens_per_round=[m["completion_tokens"] for m in rounds], **steady,
         mean_batch_over_max_num_seqs=[round(x, 3) for x in occupancy], min_occupancy=round(min(occupancy), 3),
         tail_batch_size=[round(m["tail_batch_size"], 1) for m in rounds],
         carried_over_tokens=[m["carried_over_tokens"] for m in rounds],
         staleness_hist=[m["staleness_hist"] for m in rounds], versions_consistent=bool(versions_ok),
         max_num_seqs=args.max_num_seqs, device=torch.cuda.get_device_name() if cuda else "cpu", commit=_commit(),
     )
+
+
+def steady_state(rounds: list[dict], warmup: int) -> dict:
+    """Handed-out tokens/s over the rounds after the first ``warmup``. A partial run starts with nothing carried
+    over and ends holding its in-flight groups' tokens, so over a few rounds its handed-out rate trails what it
+    hands out once the pipeline is full (the carry-over at each round's end shows when it stops growing); a
+    drain round has no such transient. Empty when no round is left after the warm-up."""
+    later = rounds[warmup:]
+    if warmup <= 0 or not later:
+        return {}
+    secs = sum(m["round_time_s"] for m in later)
+    tokens = sum(m["completion_tokens"] for m in later)
+    return dict(warmup_rounds=warmup, steady_handed_out_tokens=tokens, steady_wall_s=round(secs, 3),
+                steady_handed_out_tok_s=round(tokens / secs, 1))
 
 
 def _commit() -> str:
@@ -152,6 +172,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new", type=int, default=16384, help="the longest group's max_tokens")
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--warmup-rounds", type=int, default=0,
+                   help="also report the handed-out tokens/s of the rounds after these (partial's pipeline fill)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--inflight", type=int, default=0, help="partial: max_inflight_groups (0 = --prompts)")
     p.add_argument("--keep-kv", action="store_true", help="partial: recompute_running=False across pushes")

@@ -317,8 +317,14 @@ def make_engine(hf: torch.nn.Module, w: dict, params: list[SamplingParams], mode
     try:
         return Engine.from_pretrained(hf, num_blocks=blocks, **opts), dict(info, kv_budget_fit=True)
     except KVCacheTooLarge as e:
-        print(f"num_blocks {blocks} does not fit; using {e.max_num_blocks}", flush=True)
-        return Engine.from_pretrained(hf, num_blocks=e.max_num_blocks, **opts), dict(info, kv_budget_fit=False)
+        fit = e.max_num_blocks
+    # Retry outside the except block: its traceback holds the failed engine's frames (a second copy of the
+    # weights on the GPU), and the count that fits was measured with only one copy there (an H100 running W2).
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    print(f"num_blocks {blocks} does not fit; using {fit}", flush=True)
+    return Engine.from_pretrained(hf, num_blocks=fit, **opts), dict(info, kv_budget_fit=False)
 
 
 def generate_with_push(engine: Engine, hf: torch.nn.Module, prompts: list, params: list, recompute: bool) -> tuple:

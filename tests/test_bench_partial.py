@@ -1,0 +1,69 @@
+"""The benchmarks' bookkeeping around a run (CPU only): bench/partial_rollout.py's steady-state handed-out rate
+(issue 23.6: a partial run's first rounds fill its pipeline) and scripts/bench.py's retry when the KV cache a
+workload needs does not fit (an H100 running W2: the retry must not hold the failed engine's weights)."""
+
+import argparse
+import sys
+
+import pytest
+
+from rollout.engine.runners.kv_cache import KVCacheTooLarge
+from tests.script_helpers import load_bench, load_script
+
+
+def _round(secs: float, tokens: int) -> dict:
+    return {"round_time_s": secs, "completion_tokens": tokens}
+
+
+def test_steady_state_counts_only_the_rounds_after_the_warmup():
+    partial = load_bench("partial_rollout")
+    rounds = [_round(40.0, 600_000), _round(140.0, 2_000_000), _round(100.0, 2_100_000), _round(100.0, 1_900_000)]
+    got = partial.steady_state(rounds, 2)
+    assert got == {"warmup_rounds": 2, "steady_handed_out_tokens": 4_000_000, "steady_wall_s": 200.0,
+                   "steady_handed_out_tok_s": 20_000.0}
+    assert partial.steady_state(rounds, 0) == {}  # no warm-up asked: the record has only the whole-run rate
+    assert partial.steady_state(rounds, 4) == {}  # nothing left after the warm-up
+
+
+def test_partial_rollout_parses_warmup_rounds(monkeypatch):
+    partial = load_bench("partial_rollout")
+    seen = {}
+
+    def fake_run(mode, hf, args):
+        seen[mode] = args.warmup_rounds
+        return {"mode": mode}
+
+    monkeypatch.setattr(partial, "build_model", lambda preset: None)
+    monkeypatch.setattr(partial, "run", fake_run)
+    monkeypatch.setattr(partial, "load_bench", lambda: argparse.Namespace(emit=lambda rec, out: None))
+    monkeypatch.setattr(sys, "argv", ["partial_rollout.py", "--modes", "drain,partial", "--warmup-rounds", "2"])
+    partial.main()
+    assert seen == {"drain": 2, "partial": 2}
+
+
+def test_bench_retries_a_kv_cache_that_does_not_fit_outside_the_failed_attempt(monkeypatch):
+    """The retry runs after the exception is gone: inside the ``except`` its traceback keeps the failed engine
+    (a second copy of the weights on the GPU), and the count that fits was measured without that copy."""
+    bench = load_script("bench")
+    calls = []
+
+    def from_pretrained(hf, num_blocks, **opts):
+        calls.append((num_blocks, sys.exc_info()[1]))
+        if len(calls) == 1:
+            raise KVCacheTooLarge(f"num_blocks={num_blocks} does not fit", 1000)
+        return "engine"
+
+    monkeypatch.setattr(bench.Engine, "from_pretrained", staticmethod(from_pretrained))
+    from rollout import SamplingParams
+
+    w = {"prompt_len": 512, "new": 16384, "n": 1, "preset": "qwen2.5-1.5b"}
+    args = argparse.Namespace(max_num_seqs=256, kv_cache_dtype="auto", block_size=16, attention_backend="auto",
+                              kv_budget_frac=None, preemption=None, decode_split="balanced")
+    engine, info = bench.make_engine(None, w, [SamplingParams(max_tokens=16384)] * 64, "async", args)
+    assert engine == "engine" and info["kv_budget_fit"] is False
+    assert calls[1][0] == 1000
+    assert calls[1][1] is None, "the retry ran while the KVCacheTooLarge (and the failed engine) was still alive"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
