@@ -38,7 +38,7 @@ for stage in "$@"; do
     score)
       for b in triton fa4; do
         timeout 100 python3 bench/score_bench.py --seqs 64 --block-size 128 --attention-backend $b --profile \
-          --out "$OUT/score_fa4.jsonl" 2>&1 | grep -E '"bench": "score"' | cut -c1-400
+          --out "$OUT/score_fa4.jsonl" 2>&1 | grep -E '"bench": "score' | cut -c1-400
       done ;;
     suite)
       PART=fa4 TEST_TIMEOUT=${TEST_TIMEOUT:-330} bash scripts/gpu_check.sh ;;

@@ -57,7 +57,19 @@ def profile(fn) -> dict:
     kernels = sorted(((e.key, e.device_time_total) for e in prof.key_averages()), key=lambda kv: -kv[1])
     total_us = sum(t for _, t in kernels)
     return dict(wall_s=round(wall, 3), kernel_s=round(total_us / 1e6, 3), busy=round(total_us / 1e6 / wall, 3),
-                top=[(k[:80], round(t / 1e3, 1)) for k, t in kernels[:12]])  # (kernel, ms)
+                **attention_share(kernels), top=[(k[:80], round(t / 1e3, 1)) for k, t in kernels[:12]])  # (kernel, ms)
+
+
+ATTENTION_KERNELS = ("_prefill_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_decode_plan_kernel",
+                     "flash", "fmha", "attention")
+
+
+def attention_share(kernels: list[tuple[str, float]]) -> dict:
+    """The attention kernels' time (ours: paged prefill / decode split, reduce, plan; FA4's FlashAttention*Sm90)
+    and their share of all kernel time, from (kernel name, device us) pairs: issue 23.7's "attention share"."""
+    total = sum(t for _, t in kernels)
+    attn = sum(t for k, t in kernels if any(a in k.lower() for a in (n.lower() for n in ATTENTION_KERNELS)))
+    return dict(attention_ms=round(attn / 1e3, 1), attention_share=round(attn / total, 3) if total else 0.0)
 
 
 def main() -> None:
@@ -96,7 +108,12 @@ def main() -> None:
     commit = bench._commit()
     if args.profile:
         for name, fn in runs.items():
-            print(json.dumps(dict(bench="score_profile", run=name, commit=commit, **profile(fn))), flush=True)
+            rec = dict(bench="score_profile", run=name, commit=commit, attention_backend=engine.attn.backend,
+                       **profile(fn))
+            print(json.dumps(rec), flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
     for name, wall in best.items():
         rec = dict(bench="score", run=name, preset=args.preset, seqs=args.seqs, len=args.len, wall_s=round(wall, 3),
                    tok_s=round(tokens / wall, 1), timestamp=datetime.datetime.now(datetime.UTC).isoformat(),

@@ -1,6 +1,7 @@
 """The benchmarks' bookkeeping around a run (CPU only): bench/partial_rollout.py's steady-state handed-out rate
 (issue 23.6: a partial run's first rounds fill its pipeline) and scripts/bench.py's retry when the KV cache a
-workload needs does not fit (an H100 running W2: the retry must not hold the failed engine's weights)."""
+workload needs does not fit (an H100 running W2: the retry must not hold the failed engine's weights), and
+bench/score_bench.py's attention share of the kernel time (issue 23.7)."""
 
 import argparse
 import sys
@@ -67,3 +68,14 @@ def test_bench_retries_a_kv_cache_that_does_not_fit_outside_the_failed_attempt(m
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_score_bench_reports_the_attention_share_of_kernel_time():
+    """Issue 23.7 asks for the attention share of a scoring run's kernel time, Triton's and FA4's."""
+    score = load_bench("score_bench")
+    kernels = [("nvjet_tst_128x256_64x4_gemm", 600.0), ("_prefill_kernel", 300.0), ("_rms_norm_kernel", 100.0)]
+    assert score.attention_share(kernels) == {"attention_ms": 0.3, "attention_share": 0.3}
+    fa4 = [("cutlass___call___flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_object", 250.0),
+           ("nvjet_gemm", 750.0)]
+    assert score.attention_share(fa4)["attention_share"] == 0.25
+    assert score.attention_share([]) == {"attention_ms": 0.0, "attention_share": 0.0}
