@@ -37,7 +37,7 @@ for stage in "$@"; do
       grep fa4_vs_triton "$OUT/kernels_fa4.jsonl" ;;
     score)
       for b in triton fa4; do
-        timeout 100 python3 bench/score_bench.py --seqs 64 --block-size 128 --attention-backend $b --profile \
+        timeout 150 python3 bench/score_bench.py --seqs ${SCORE_SEQS:-64} --block-size 128 --attention-backend $b --profile \
           --out "$OUT/score_fa4.jsonl" 2>&1 | grep -E '"bench": "score' | cut -c1-400
       done ;;
     suite)
