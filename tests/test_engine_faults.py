@@ -209,3 +209,30 @@ def test_bad_values_are_refused_up_front(hf):
         eng.add_request([1, 2], SamplingParams(), request_id=7)
     assert not eng.has_unfinished_requests()
     assert eng.generate([[1, 2, 3]], _params()[2])[0].outputs[0].finish_reason == "length"
+
+
+def test_a_failed_construction_frees_its_weights_while_the_exception_lives(hf):
+    """A construction that fails after the weights are loaded (here a max_model_len above the model's limit; on
+    a GPU a ``KVCacheTooLarge``) must not keep its copy of the weights alive through the exception's traceback:
+    a retry inside the ``except`` block (with the ``num_blocks`` the error names) would otherwise not fit."""
+    limit = hf.config.max_position_embeddings
+    try:
+        Engine.from_pretrained(hf, dtype="float32", device="cpu", max_model_len=limit + 1)
+    except ValueError as err:
+        assert "max_model_len" in str(err)
+        held = []
+        tb = err.__traceback__
+        while tb is not None:  # every model the traceback's frames still reach
+            held += [v for v in tb.tb_frame.f_locals.values() if isinstance(v, torch.nn.Module)]
+            tb = tb.tb_next
+        ours = [m for m in held if m is not hf]
+        assert ours, "the traceback no longer reaches the engine's model: this test lost its subject"
+        for m in ours:
+            live = [n for n, t in m.state_dict().items() if t.device.type != "meta"]
+            assert not live, f"a failed construction still holds {len(live)} weight tensors, e.g. {live[:3]}"
+        # the source model is the caller's: untouched
+        assert all(p.device.type == "cpu" for p in hf.parameters())
+        engine = Engine.from_pretrained(hf, dtype="float32", device="cpu", max_model_len=limit)
+        assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs
+    else:
+        pytest.fail("max_model_len above the model's limit was accepted")

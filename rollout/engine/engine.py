@@ -116,6 +116,7 @@ class Engine:
         except BaseException:
             if workers is not None:
                 workers.shutdown()
+            loading.release(net, dev)
             raise
 
     # ---- requests ----------------------------------------------------------------------------

@@ -66,6 +66,19 @@ def build_model(source: object, dtype: str | torch.dtype, device: torch.device) 
     return model, hf_config
 
 
+def release(model: torch.nn.Module, device: torch.device) -> None:
+    """Free the weights of an engine whose construction failed. The exception's traceback keeps the half-built
+    engine (and this model, our own copy of the weights) alive for as long as the caller holds it, so without
+    this a retry inside ``except`` (say with the ``num_blocks`` a ``KVCacheTooLarge`` names) would find a second
+    copy of the weights on the device and not fit. Meta tensors keep the shapes and free the storage."""
+    try:
+        model.to(device="meta")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the sizing reads the device's free bytes, which count the allocator's cache
+    except Exception:  # noqa: BLE001 - best effort on a failure path: the caller must see the first error
+        pass
+
+
 def source_config(source: object) -> object:
     """The HF config of a checkpoint dir or a transformers PreTrainedModel."""
     if isinstance(source, (str, os.PathLike)):
