@@ -293,7 +293,7 @@ def check_decode_planned():
     plan kernel runs once), a new one for another window or another lengths tensor; every output is exact."""
     import rollout.kernels.paged_decode as pd
 
-    lens = long_tail(24, 2000, 1)
+    lens = long_tail(12, 1000, 1)
     q, cache, meta = scenario([1] * len(lens), lens, 4, 2, 16, 16)
     launches, plan_kernel = [], pd._decode_plan_kernel
 
@@ -305,7 +305,7 @@ def check_decode_planned():
     pd._decode_plan_kernel = Counted()
     try:
         plans: dict = {}
-        kw = dict(split_target=24, min_chunk=1, plans=plans)
+        kw = dict(split_target=12, min_chunk=1, plans=plans)
         for window in (None, None, 150):
             out = pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, window, **kw)
             assert_close(out, reference_attention(q, cache, meta, SCALE, window), 1e-4)
@@ -344,11 +344,11 @@ def check_decode_planned_fused_merge():
     three layers in a row (one with a window) all merge right."""
     import rollout.kernels.paged_decode as pd
 
-    lens = long_tail(16, 1500, 9)
+    lens = long_tail(10, 800, 9)
     q, cache, meta = scenario([1] * len(lens), lens, 4, 2, 16, 16)
     plans: dict = {}
     for window in (None, 200, None):
-        out = pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, window, split_target=24,
+        out = pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, window, split_target=12,
                                         min_chunk=1, fused_merge=True, plans=plans)  # fmt: skip
         assert_close(out, reference_attention(q, cache, meta, SCALE, window), 1e-4)
         counters = [v for k, v in plans.items() if k[0] == "counters"]
