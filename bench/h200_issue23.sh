@@ -16,7 +16,8 @@
 #   w1cmp    W1 with --compare-legacy (~5 min); w1_profile: its step's kernels, the even split vs 2 chunks (~2 min);
 #            w1uniform: W1 with UNIFORM_ONE_WAVE=1 (its uniform steps on one wave's count, ~2.5 min)
 #   partial  bench/partial_rollout.py at W2's 16K tail, drain vs partial (PARTIAL_MODES=drain to split calls);
-#            PARTIAL_WARMUP rounds (default 1) are left out of steady_handed_out_tok_s, the bar's rate
+#            PARTIAL_WARMUP rounds (default 1) are left out of steady_handed_out_tok_s, the bar's rate; no round
+#            starts that would end past PARTIAL_TIMEOUT - 15 s (the record keeps the rounds that ran)
 #   legacy   W1-short and W3 with the live-length split vs the previous fixed split (issue 23.4's bar)
 #   w2       W2 bf16 vs fp8 KV with the logprob check (the 1.3x bar), V_PAGES as the tree sets it
 #   w2_512   W2 at max_num_seqs 512: eager_decode_steps must be 0 (issue 23.3)
@@ -115,7 +116,8 @@ for l in sys.stdin:
       done ;;
     partial)  # issue 23.6: partial vs drain at W2's 16K tail (PARTIAL_MODES, PARTIAL_ROUNDS; one mode per call if long)
       timeout ${PARTIAL_TIMEOUT:-540} python3 bench/partial_rollout.py --modes "${PARTIAL_MODES:-drain,partial}" \
-        --rounds "${PARTIAL_ROUNDS:-3}" --warmup-rounds "${PARTIAL_WARMUP:-1}" --out "$OUT/partial.jsonl" > "$OUT/partial.log" 2>&1
+        --rounds "${PARTIAL_ROUNDS:-3}" --warmup-rounds "${PARTIAL_WARMUP:-1}" \
+        --time-budget-s $(( ${PARTIAL_TIMEOUT:-540} - 15 )) --out "$OUT/partial.jsonl" > "$OUT/partial.log" 2>&1
       grep -E " round [0-9]+/" "$OUT/partial.log"; tail -3 "$OUT/partial.log"; cat "$OUT/partial.jsonl" 2>/dev/null ;;
     w2_512)
       timeout 200 python3 scripts/bench.py --workload W2 --modes async --max-num-seqs 512 --sampling t1 \

@@ -117,8 +117,14 @@ def run(mode: str, hf: torch.nn.Module, args: argparse.Namespace) -> dict:
         print(f"{mode} round {r + 1}/{args.rounds}: {m['round_time_s']:.2f} s, handed out {m['completion_tokens']} "
               f"tokens, occupancy {m['mean_batch_size'] / args.max_num_seqs:.3f}, carried over "
               f"{m['carried_over_tokens']}", file=sys.stderr, flush=True)
+        if r + 1 < args.rounds and out_of_time(time.monotonic(), args.deadline, [x["round_time_s"] for x in rounds]):
+            print(f"{mode}: stopping after {r + 1} rounds: another would end past --time-budget-s",
+                  file=sys.stderr, flush=True)
+            break
         if r + 1 < args.rounds:
+            t_push = time.perf_counter()
             pushes.append(actor.update_weights(hf.named_parameters()))
+            rounds[-1]["push_after_s"] = time.perf_counter() - t_push
     if cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
@@ -128,11 +134,13 @@ def run(mode: str, hf: torch.nn.Module, args: argparse.Namespace) -> dict:
     steady = steady_state(rounds, args.warmup_rounds)
     return dict(
         workload="W2-actor", timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), mode=mode,
-        preset=args.preset, prompts=args.prompts, n=args.n, new_tokens=args.new, rounds=args.rounds,
+        preset=args.preset, prompts=args.prompts, n=args.n, new_tokens=args.new, rounds=len(rounds),
+        rounds_asked=args.rounds,
         recompute_running=not args.keep_kv, wall_s=round(wall, 3), generated_tokens=generated,
         tok_s=round(generated / wall, 1), handed_out_tokens=handed, handed_out_tok_s=round(handed / wall, 1),
         round_time_s=[round(m["round_time_s"], 2) for m in rounds],
-        handed_out_tokens_per_round=[m["completion_tokens"] for m in rounds], **steady,
+        handed_out_tokens_per_round=[m["completion_tokens"] for m in rounds],
+        push_s=[round(m["push_after_s"], 3) for m in rounds if "push_after_s" in m], **steady,
         mean_batch_over_max_num_seqs=[round(x, 3) for x in occupancy], min_occupancy=round(min(occupancy), 3),
         tail_batch_size=[round(m["tail_batch_size"], 1) for m in rounds],
         carried_over_tokens=[m["carried_over_tokens"] for m in rounds],
@@ -141,15 +149,22 @@ def run(mode: str, hf: torch.nn.Module, args: argparse.Namespace) -> dict:
     )
 
 
+def out_of_time(now: float, deadline: float | None, round_times: list[float]) -> bool:
+    """Whether a next round, as long as the longest so far, would end past ``deadline`` (None: no budget). A
+    device call has a hard limit; stopping between rounds keeps the record of the rounds that did run."""
+    return deadline is not None and bool(round_times) and now + max(round_times) > deadline
+
+
 def steady_state(rounds: list[dict], warmup: int) -> dict:
-    """Handed-out tokens/s over the rounds after the first ``warmup``. A partial run starts with nothing carried
-    over and ends holding its in-flight groups' tokens, so over a few rounds its handed-out rate trails what it
-    hands out once the pipeline is full (the carry-over at each round's end shows when it stops growing); a
-    drain round has no such transient. Empty when no round is left after the warm-up."""
+    """Handed-out tokens/s over the rounds after the first ``warmup``, each with the push before it. A partial
+    run starts with nothing carried over and ends holding its in-flight groups' tokens, so over a few rounds its
+    handed-out rate trails what it hands out once the pipeline is full (the carry-over at each round's end shows
+    when it stops growing); a drain round has no such transient. Empty when no round is left after the warm-up."""
     later = rounds[warmup:]
     if warmup <= 0 or not later:
         return {}
-    secs = sum(m["round_time_s"] for m in later)
+    # each steady round is charged the weight push before it (a push's recompute is the price of partial mode)
+    secs = sum(m["round_time_s"] for m in later) + sum(m.get("push_after_s", 0.0) for m in rounds[warmup - 1:-1])
     tokens = sum(m["completion_tokens"] for m in later)
     return dict(warmup_rounds=warmup, steady_handed_out_tokens=tokens, steady_wall_s=round(secs, 3),
                 steady_handed_out_tok_s=round(tokens / secs, 1))
@@ -177,8 +192,13 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--inflight", type=int, default=0, help="partial: max_inflight_groups (0 = --prompts)")
     p.add_argument("--keep-kv", action="store_true", help="partial: recompute_running=False across pushes")
+    p.add_argument("--time-budget-s", type=float, default=0.0,
+                   help="all modes together: start no round that would end past this many seconds (0: no limit)")
     p.add_argument("--out", default=None, help="append the JSON lines to this file")
     args = p.parse_args()
+    if args.time_budget_s < 0:
+        p.error(f"--time-budget-s must be >= 0 (0: no limit), got {args.time_budget_s}")
+    args.deadline = time.monotonic() + args.time_budget_s if args.time_budget_s else None
     hf, emit = build_model(args.preset), load_bench().emit
     for mode in [m for m in args.modes.split(",") if m]:
         emit(run(mode, hf, args), args.out)

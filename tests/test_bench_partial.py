@@ -26,6 +26,23 @@ def test_steady_state_counts_only_the_rounds_after_the_warmup():
     assert partial.steady_state(rounds, 4) == {}  # nothing left after the warm-up
 
 
+def test_steady_rounds_are_charged_the_push_before_them():
+    partial = load_bench("partial_rollout")
+    rounds = [dict(_round(40.0, 600_000), push_after_s=5.0), dict(_round(140.0, 2_000_000), push_after_s=3.0),
+              _round(97.0, 2_000_000)]
+    got = partial.steady_state(rounds, 2)  # round 3 and the push after round 2
+    assert got["steady_wall_s"] == 100.0 and got["steady_handed_out_tok_s"] == 20_000.0
+    assert partial.steady_state(rounds, 1)["steady_wall_s"] == 5.0 + 140.0 + 3.0 + 97.0
+
+
+def test_a_time_budget_stops_between_rounds():
+    partial = load_bench("partial_rollout")
+    assert not partial.out_of_time(100.0, None, [50.0])  # no budget
+    assert not partial.out_of_time(100.0, 200.0, [])  # nothing to go by before the first round
+    assert not partial.out_of_time(100.0, 200.0, [40.0, 90.0])  # the longest round still fits
+    assert partial.out_of_time(100.0, 200.0, [40.0, 110.0])
+
+
 def test_partial_rollout_parses_warmup_rounds(monkeypatch):
     partial = load_bench("partial_rollout")
     seen = {}
@@ -40,6 +57,9 @@ def test_partial_rollout_parses_warmup_rounds(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["partial_rollout.py", "--modes", "drain,partial", "--warmup-rounds", "2"])
     partial.main()
     assert seen == {"drain": 2, "partial": 2}
+    monkeypatch.setattr(sys, "argv", ["partial_rollout.py", "--time-budget-s", "-1"])
+    with pytest.raises(SystemExit):
+        partial.main()
 
 
 def test_bench_retries_a_kv_cache_that_does_not_fit_outside_the_failed_attempt(monkeypatch):
