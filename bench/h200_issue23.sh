@@ -19,7 +19,8 @@
 #            PARTIAL_WARMUP rounds (default 1) are left out of steady_handed_out_tok_s, the bar's rate; no round
 #            starts that would end past PARTIAL_TIMEOUT - 15 s (the record keeps the rounds that ran)
 #   legacy   W1-short and W3 with the live-length split vs the previous fixed split (issue 23.4's bar)
-#   w2       W2 bf16 vs fp8 KV with the logprob check (the 1.3x bar), V_PAGES as the tree sets it
+#   w2       W2 bf16 vs fp8 KV with the logprob check (the 1.3x bar), V_PAGES as the tree sets it; W2_TIMEOUT
+#            (default 570 s: an H100 takes ~1.4x an H200's ~5.5 min)
 #   w2_512   W2 at max_num_seqs 512: eager_decode_steps must be 0 (issue 23.3)
 #   w2mem    the memory-bound W2 (fp8 vs bf16, swap vs recompute at 30% of the KV need; issue 23.5)
 #   profile  one decode step's kernels, bf16 vs fp8 (bench/step_profile.py)
@@ -94,7 +95,7 @@ for l in sys.stdin:
         "${KNOB_ARGS[@]}" --out "$OUT/w2fp8$SUFFIX.jsonl" > "$OUT/w2fp8$SUFFIX.log" 2>&1
       summary "$OUT/w2fp8$SUFFIX.jsonl" ;;
     w2)
-      timeout 420 python3 scripts/bench.py --workload W2 --modes async --kv-cache-dtype auto,fp8 --logprob-check 8 \
+      timeout ${W2_TIMEOUT:-570} python3 scripts/bench.py --workload W2 --modes async --kv-cache-dtype auto,fp8 --logprob-check 8 \
         --sampling t1 "${KNOB_ARGS[@]}" --out "$OUT/w2$SUFFIX.jsonl" > "$OUT/w2$SUFFIX.log" 2>&1
       summary "$OUT/w2$SUFFIX.jsonl" ;;
     w1)  # issue 23.2's W1 bar (>= 0.90 of the floor): llama3-8b, 32 x 128 -> 8192, t1
