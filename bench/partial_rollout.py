@@ -117,14 +117,15 @@ def run(mode: str, hf: torch.nn.Module, args: argparse.Namespace) -> dict:
         print(f"{mode} round {r + 1}/{args.rounds}: {m['round_time_s']:.2f} s, handed out {m['completion_tokens']} "
               f"tokens, occupancy {m['mean_batch_size'] / args.max_num_seqs:.3f}, carried over "
               f"{m['carried_over_tokens']}", file=sys.stderr, flush=True)
-        if r + 1 < args.rounds and out_of_time(time.monotonic(), args.deadline, [x["round_time_s"] for x in rounds]):
+        if r + 1 == args.rounds:
+            break
+        if out_of_time(time.monotonic(), args.deadline, [x["round_time_s"] for x in rounds]):
             print(f"{mode}: stopping after {r + 1} rounds: another would end past --time-budget-s",
                   file=sys.stderr, flush=True)
             break
-        if r + 1 < args.rounds:
-            t_push = time.perf_counter()
-            pushes.append(actor.update_weights(hf.named_parameters()))
-            rounds[-1]["push_after_s"] = time.perf_counter() - t_push
+        t_push = time.perf_counter()
+        pushes.append(actor.update_weights(hf.named_parameters()))
+        rounds[-1]["push_after_s"] = time.perf_counter() - t_push
     if cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0

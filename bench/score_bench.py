@@ -61,14 +61,14 @@ def profile(fn) -> dict:
 
 
 ATTENTION_KERNELS = ("_prefill_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_decode_plan_kernel",
-                     "flash", "fmha", "attention")
+                     "flash", "fmha", "attention")  # lower case: matched against lower-cased kernel names
 
 
 def attention_share(kernels: list[tuple[str, float]]) -> dict:
     """The attention kernels' time (ours: paged prefill / decode split, reduce, plan; FA4's FlashAttention*Sm90)
     and their share of all kernel time, from (kernel name, device us) pairs: issue 23.7's "attention share"."""
     total = sum(t for _, t in kernels)
-    attn = sum(t for k, t in kernels if any(a in k.lower() for a in (n.lower() for n in ATTENTION_KERNELS)))
+    attn = sum(t for k, t in kernels if any(a in k.lower() for a in ATTENTION_KERNELS))
     return dict(attention_ms=round(attn / 1e3, 1), attention_share=round(attn / total, 3) if total else 0.0)
 
 

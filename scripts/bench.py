@@ -318,11 +318,8 @@ def make_engine(hf: torch.nn.Module, w: dict, params: list[SamplingParams], mode
         return Engine.from_pretrained(hf, num_blocks=blocks, **opts), dict(info, kv_budget_fit=True)
     except KVCacheTooLarge as e:
         fit = e.max_num_blocks
-    # Retry outside the except block: its traceback holds the failed engine's frames (a second copy of the
-    # weights on the GPU), and the count that fits was measured with only one copy there (an H100 running W2).
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    # Retry outside the except block, whose traceback holds the failed engine's frames (its weights are freed by
+    # the engine itself: loading.release), so the count that fits is measured as the error measured it.
     print(f"num_blocks {blocks} does not fit; using {fit}", flush=True)
     return Engine.from_pretrained(hf, num_blocks=fit, **opts), dict(info, kv_budget_fit=False)
 
