@@ -30,7 +30,8 @@ for stage in "$@"; do
     tests)
       timeout 240 python3 -m pytest -q -s -rs -p no:cacheprovider tests/gpu/test_fa4_backend_gpu.py 2>&1 \
         | grep -v -E "Warning|warnings.warn|exe_args|_warn_once" > "$OUT/fa4_tests_$COMMIT.log"
-      grep -E "fa4 vs|triton vs|logprob - HF|passed|failed|Error" "$OUT/fa4_tests_$COMMIT.log" | tail -12 ;;
+      echo "pytest exit ${PIPESTATUS[0]}" >> "$OUT/fa4_tests_$COMMIT.log"  # its summary line has gone missing twice
+      grep -E "fa4 vs|triton vs|logprob - HF|passed|failed|Error|pytest exit" "$OUT/fa4_tests_$COMMIT.log" | tail -12 ;;
     kernels)
       timeout 150 python3 bench/kernels_bench.py --preset qwen2.5-1.5b --page 128 --fa4 --no-decode --no-prefill \
         > "$OUT/kernels_fa4.jsonl" 2> "$OUT/kernels_fa4.err"
