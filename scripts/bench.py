@@ -317,9 +317,7 @@ def make_engine(hf: torch.nn.Module, w: dict, params: list[SamplingParams], mode
     try:
         return Engine.from_pretrained(hf, num_blocks=blocks, **opts), dict(info, kv_budget_fit=True)
     except KVCacheTooLarge as e:
-        # 3% under the largest count: the engine's measured workspace left a W2 warm-up 30 MiB short on an H100
-        # (55b60f5), where an explicit count has no gpu_memory_utilization slack behind it.
-        fit = int(e.max_num_blocks * 0.97)
+        fit = e.max_num_blocks  # the engine keeps headroom beside it (EXPLICIT_HEADROOM_FRACTION)
     # Retry outside the except block, whose traceback holds the failed engine's frames (its weights are freed by
     # the engine itself: loading.release), so the count that fits is measured as the error measured it.
     print(f"num_blocks {blocks} does not fit; using {fit}", flush=True)
