@@ -7,8 +7,9 @@ W2's shape: qwen2.5-1.5b (random init, bf16), 512-token prompts, ``--prompts`` g
 out per round, each group's length log-uniform in [256, --new] (fixed per group: ignore_eos), and a push of
 the same weights under a new version between rounds. Reported: generated tokens/s over the whole run
 (engine count: carried-over tokens once), handed-out tokens/s, each round's mean batch over
-``max_num_seqs`` (the bar: >= 0.8 in every round for partial) and tail batch, and whether every row's
-per-token versions are consistent with the pushes (non-decreasing, each a pushed version, drain: one).
+``max_num_seqs`` (issue 23's bar: >= 0.9 in every round for partial) and tail batch, whether every row's
+per-token versions are consistent with the pushes (non-decreasing, each a pushed version, drain: one), and per
+round the engine's tokens generated and prefilled (a push's recompute), GPU compute seconds and byte floor.
 Needs no hydra, wandb or datasets (the GPU machine has none).
 """
 
@@ -105,10 +106,13 @@ def run(mode: str, hf: torch.nn.Module, args: argparse.Namespace) -> dict:
         args.prompts, seed=0, mode=mode, recompute_running=not args.keep_kv,
         max_inflight_groups=(args.inflight or None) if mode == "partial" else None,
     )
+    bw = load_bench().copy_bandwidth_tbps() if cuda else None
     gen0, pushes, rounds, versions_ok = engine.get_stats().num_generated_tokens, [0], [], True
+    counters = [engine_counters(engine)]
     t0 = time.perf_counter()
     for r in range(args.rounds):
         res = actor.run_round()
+        counters.append(engine_counters(engine))
         for t in res.trajectories:
             v = t.policy_versions
             versions_ok &= v == sorted(v) and set(v) <= set(pushes) and (mode == "partial" or set(v) <= {r})
@@ -146,8 +150,30 @@ def run(mode: str, hf: torch.nn.Module, args: argparse.Namespace) -> dict:
         tail_batch_size=[round(m["tail_batch_size"], 1) for m in rounds],
         carried_over_tokens=[m["carried_over_tokens"] for m in rounds],
         staleness_hist=[m["staleness_hist"] for m in rounds], versions_consistent=bool(versions_ok),
+        **per_round_counters(counters, bw), copy_bw_tbps=bw,
         max_num_seqs=args.max_num_seqs, device=torch.cuda.get_device_name() if cuda else "cpu", commit=_commit(),
     )
+
+
+def engine_counters(engine: Engine) -> dict:
+    """The engine's cumulative counters a round's deltas come from (a push's recompute lands in the next round)."""
+    s = engine.get_stats()
+    return dict(generated=s.num_generated_tokens, prefill=s.num_prefill_tokens, bytes=s.bytes_read,
+                compute_s=s.gpu_compute_s or 0.0)
+
+
+def per_round_counters(counters: list[dict], bw_tbps: float | None) -> dict:
+    """Per round: tokens generated, tokens prefilled (prompts, and after a push with recompute the in-flight
+    sequences' contexts), GPU compute seconds, and the byte floor (what the steps had to read over the copy
+    bandwidth). Where handed-out tokens/s stalls although occupancy is full, these tell whether the steps sit at
+    their floor (long contexts read at full batch) or the recompute is what costs."""
+    d = [{k: b[k] - a[k] for k in a} for a, b in zip(counters, counters[1:])]
+    out = dict(generated_tokens_per_round=[x["generated"] for x in d],
+               prefill_tokens_per_round=[x["prefill"] for x in d],
+               gpu_compute_s_per_round=[round(x["compute_s"], 2) for x in d])
+    if bw_tbps:
+        out["floor_s_per_round"] = [round(x["bytes"] / (bw_tbps * 1e12), 2) for x in d]
+    return out
 
 
 def out_of_time(now: float, deadline: float | None, round_times: list[float]) -> bool:

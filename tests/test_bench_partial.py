@@ -35,6 +35,17 @@ def test_steady_rounds_are_charged_the_push_before_them():
     assert partial.steady_state(rounds, 1)["steady_wall_s"] == 5.0 + 140.0 + 3.0 + 97.0
 
 
+def test_per_round_counters_are_deltas_and_the_floor_uses_the_bandwidth():
+    partial = load_bench("partial_rollout")
+    c = [dict(generated=100, prefill=10, bytes=0, compute_s=1.0),
+         dict(generated=1_100, prefill=510, bytes=6 * 10**12, compute_s=3.5),
+         dict(generated=2_100, prefill=2_510, bytes=9 * 10**12, compute_s=5.0)]
+    got = partial.per_round_counters(c, 3.0)
+    assert got == {"generated_tokens_per_round": [1_000, 1_000], "prefill_tokens_per_round": [500, 2_000],
+                   "gpu_compute_s_per_round": [2.5, 1.5], "floor_s_per_round": [2.0, 1.0]}
+    assert "floor_s_per_round" not in partial.per_round_counters(c, None)  # the CPU measures no bandwidth
+
+
 def test_a_time_budget_stops_between_rounds():
     partial = load_bench("partial_rollout")
     assert not partial.out_of_time(100.0, None, [50.0])  # no budget
