@@ -50,6 +50,8 @@ for line in open(sys.argv[1]):
         print({k: r[k] for k in keys if r.get(k) is not None})
         if r.get("decode_by_batch"):  # [steps, compute ms, floor ms, floor ratio] per 32-sequence bucket
             print("  by batch:", r["decode_by_batch"])
+        for kind, table in (r.get("decode_by_kind") or {}).items():  # the same within each split kind
+            print(f"  {kind}:", table)
 PY
 }
 for stage in "$@"; do

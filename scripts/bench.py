@@ -159,6 +159,19 @@ def decode_by_batch(records: list, weight_bytes: int, kv_token_bytes: float, bw_
             for k, (n, ms, fl) in sorted(groups.items())}
 
 
+SPLIT_KINDS = ("uneven", "even", "uniform")  # rollout.engine.runners.graphs.split_kind's UNEVEN, EVEN, UNIFORM
+
+
+def decode_by_kind(records: list, weight_bytes: int, kv_token_bytes: float, bw_tbps: float) -> dict[str, dict]:
+    """``decode_by_batch`` within each split kind the decode kernel took (the balanced partition for uneven
+    lengths, the fixed even split, one wave for uniform ones): fp8 and bf16 steps of one bucket may differ in how
+    they were cut, and a bucket whose ratio breaks from its neighbours' says which rule to look at."""
+    kinds: dict[str, list] = {}
+    for r in records:
+        kinds.setdefault(SPLIT_KINDS[getattr(r, "split", 0)], []).append(r)
+    return {k: decode_by_batch(rs, weight_bytes, kv_token_bytes, bw_tbps) for k, rs in sorted(kinds.items())}
+
+
 SAMPLING = {"greedy": dict(temperature=0.0), "t1": dict(temperature=1.0), "t1p95": dict(temperature=1.0, top_p=0.95)}
 
 
@@ -453,6 +466,7 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
         gemm_compute_bound_steps=roof["gemm_compute_bound_steps"], matmul_peak_tflops=peak and round(peak, 1),
         mean_decode_batch=round(sum(r.batch for r in dec) / max(1, len(dec)), 1),
         decode_by_batch=decode_by_batch(dec, weight_bytes, kv_token_bytes, bw),
+        decode_by_kind=decode_by_kind(dec, weight_bytes, kv_token_bytes, bw),
         max_decode_batch=max((r.batch for r in dec), default=0),
         eager_decode_steps=sum(not getattr(r, "graph_b", 0) for r in dec) if runner.cuda_graphs else len(dec),
         peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),

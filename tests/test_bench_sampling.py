@@ -66,6 +66,34 @@ def test_decode_by_batch_groups_steps_with_their_floor(bench):
     assert bench.decode_by_batch([], 10**9, 1000, 1.0) == {}
 
 
+def test_decode_by_kind_splits_the_buckets_by_the_kernels_split_rule(bench):
+    """Each decode step records the split kind it ran (the CUDA runner's StepRecord.split), and W2's record breaks
+    its buckets down by it: a bucket whose fp8/bf16 ratio breaks from its neighbours' names the rule to look at."""
+    from types import SimpleNamespace
+
+    from rollout.engine.runners.cuda import CudaPendingStep, StepClock
+
+    class Ev:
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 3.0
+
+    out = SimpleNamespace(tolist=lambda: [7])
+    slot = SimpleNamespace(d2h_done=Ev(), compute_start=Ev(), compute_end=Ev(), host_tokens=out, host_logprobs=out)
+    clock = StepClock(record_steps=True)
+    plan = SimpleNamespace(step_id=0, num_context_tokens=10**6)
+    CudaPendingStep(plan, slot, [0], True, 8, clock, graph_b=8, split=2).result()
+    assert clock.records[0].split == 2 and clock.records[0].compute_ms == 3.0
+    rec = SimpleNamespace
+    steps = [clock.records[0], rec(batch=31, kv_tokens=3 * 10**6, compute_ms=8.0, split=1),
+             rec(batch=256, kv_tokens=0, compute_ms=2.0)]  # no split field: an older record reads as uneven
+    table = bench.decode_by_kind(steps, 10**9, 1000, 1.0)
+    assert table == {"even": {"0": [1, 8.0, 4.0, 0.5]}, "uneven": {"256": [1, 2.0, 1.0, 0.5]},
+                     "uniform": {"0": [1, 3.0, 2.0, 0.667]}}
+
+
 def test_compare_legacy_builds_backends_with_the_fixed_split(bench):
     """--compare-legacy (issue 23.4): a backend built inside ``legacy_decode_split`` passes the previous
     heuristic's num_splits (per batch size, from max_model_len) to the decode kernel; one built outside, none."""

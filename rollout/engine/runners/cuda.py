@@ -47,6 +47,7 @@ class StepRecord:
     kv_tokens: int
     compute_ms: float
     graph_b: int = 0  # padded size of the replayed decode graph; 0 = eager
+    split: int = 0  # the decode kernel's split kind (graphs.split_kind: UNEVEN, EVEN, UNIFORM)
 
 
 @dataclass(slots=True)
@@ -70,6 +71,7 @@ class CudaPendingStep:
     h: HostInputs | None = None  # kept when the step returns top logprobs
     prompt: PromptLogprobs | None = None  # host copies, landed with d2h_done
     graph_b: int = 0  # padded size of the replayed decode graph; 0 = eager
+    split: int = 0  # the decode kernel's split kind of this step
 
     def result(self) -> SampleResult:
         slot = self.slot
@@ -78,7 +80,7 @@ class CudaPendingStep:
         ms = slot.compute_start.elapsed_time(slot.compute_end)
         self.clock.total_ms += ms
         if self.clock.record_steps:
-            rec = StepRecord(self.decode, self.batch, self.plan.num_context_tokens, ms, self.graph_b)
+            rec = StepRecord(self.decode, self.batch, self.plan.num_context_tokens, ms, self.graph_b, self.split)
             self.clock.records.append(rec)
         res = SampleResult(self.plan.step_id, [toks[r] for r in self.rows], [lps[r] for r in self.rows])
         if self.h is not None:
@@ -169,7 +171,8 @@ class CudaRunner:
             slot.d2h_done.record(self.d2h)
         slot.used = True
         self._last_rows = dict(zip(h.sample_seq_ids, rows))
-        return CudaPendingStep(plan, slot, rows, decode, b, self.clock, h if variant[4] else None, prompt, graph_b)
+        return CudaPendingStep(plan, slot, rows, decode, b, self.clock, h if variant[4] else None, prompt, graph_b,
+                               even)
 
     @property
     def compute_seconds(self) -> float | None:
