@@ -38,6 +38,7 @@ sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != os.pat
 
 from rollout import Engine, SamplingParams  # noqa: E402
 from rollout.config import EngineConfig  # noqa: E402
+from rollout.engine.runners.graphs import EVEN, UNEVEN, UNIFORM  # noqa: E402
 from rollout.engine.runners.kv_cache import KVCacheTooLarge  # noqa: E402
 from rollout.layers.kv_quant import fp8_block_bytes  # noqa: E402
 
@@ -159,7 +160,7 @@ def decode_by_batch(records: list, weight_bytes: int, kv_token_bytes: float, bw_
             for k, (n, ms, fl) in sorted(groups.items())}
 
 
-SPLIT_KINDS = ("uneven", "even", "uniform")  # rollout.engine.runners.graphs.split_kind's UNEVEN, EVEN, UNIFORM
+SPLIT_KINDS = {UNEVEN: "uneven", EVEN: "even", UNIFORM: "uniform"}  # graphs.split_kind's kinds, by name
 
 
 def decode_by_kind(records: list, weight_bytes: int, kv_token_bytes: float, bw_tbps: float) -> dict[str, dict]:
@@ -168,7 +169,7 @@ def decode_by_kind(records: list, weight_bytes: int, kv_token_bytes: float, bw_t
     they were cut, and a bucket whose ratio breaks from its neighbours' says which rule to look at."""
     kinds: dict[str, list] = {}
     for r in records:
-        kinds.setdefault(SPLIT_KINDS[getattr(r, "split", 0)], []).append(r)
+        kinds.setdefault(SPLIT_KINDS[getattr(r, "split", UNEVEN)], []).append(r)
     return {k: decode_by_batch(rs, weight_bytes, kv_token_bytes, bw_tbps) for k, rs in sorted(kinds.items())}
 
 
