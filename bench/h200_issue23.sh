@@ -8,6 +8,7 @@
 # _knobs suffix), e.g. KNOBS=FUSED_MERGE=1 ... w2 against the plain w2 stage (V_PAGES is on by default since 1a04ee9).
 # Stages:
 #   even     the even-lengths split (fixed chunks per batch size): which count is fastest per dtype and batch
+#   stream   the stream split (one wave of programs streaming equal runs across sequences) vs the engine's rules
 #   even_short  the same at W2's 256-sequence steps (lengths in [1K, 3K])
 #   gemm     the decode linears, cuBLAS vs a split-K Triton kernel (bench/gemm_bench.py, ~3 min)
 #   kernels  decode kernels at W2's shapes: balanced / planned / planned_all_waves (the one-wave cut of even
@@ -71,6 +72,14 @@ for stage in "$@"; do
       timeout 280 python3 bench/kernels_bench.py --preset qwen2.5-1.5b --lengths even --batches 32,64,128,200,256 \
         --ctxs 8192 --kv bf16,fp8 --no-prefill --compare-even > "$OUT/kernels_even_split.jsonl" 2> "$OUT/even.err"
       python3 bench/even_rule.py "$OUT/kernels_even_split.jsonl" ;;
+    stream)
+      # the stream split (runs of key tiles across sequences, paged_decode_stream.py) at 1 / 2 / 4 waves against the
+      # engine's rules: W2's long tail to 16K, then its 256-sequence steps' even lengths in [1K, 3K] (~3 min)
+      timeout 200 python3 bench/kernels_bench.py --preset qwen2.5-1.5b --lengths long-tail --batches 64,128,256 \
+        --ctxs 16384 --kv bf16,fp8 --no-prefill --compare-stream > "$OUT/kernels_stream.jsonl" 2> "$OUT/stream.err"
+      timeout 150 python3 bench/kernels_bench.py --preset qwen2.5-1.5b --lengths even --batches 192,256 \
+        --ctxs 3072 --kv bf16,fp8 --no-prefill --compare-stream >> "$OUT/kernels_stream.jsonl" 2>> "$OUT/stream.err"
+      tail -3 "$OUT/stream.err"; summary "$OUT/kernels_stream.jsonl" ;;
     even_short)
       # W2's 256-sequence steps (a quarter of its decode time, mean context ~2K: bench/w2_lengths.py): the same
       # comparison at lengths in [1K, 3K], where fp8 ran 3.9% faster with 4-tile chunks than with 8-tile ones (~2 min)

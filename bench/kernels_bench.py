@@ -153,6 +153,9 @@ def decode_variants(args, batch: int, hkv: int, max_tiles: int, kv: str = "bf16"
         out += [dict(variant=f"planned_w{w}", plan=True, split_target=choose_split_target(hkv, sms * per_sm // 4, w))
                 for w in (2, 4, 8)]  # fmt: skip
         out += [dict(variant="fixed", num_splits=s) for s in (1, 2, 3, 4, 6, 8, 12, 16)]
+    if getattr(args, "compare_stream", False):  # the stream split: runs across sequences, 1-4 waves of programs
+        out.append(dict(variant="even", even_lengths=True, plan=True))  # what the engine runs for even lengths
+        out += [dict(variant=f"stream_w{w}", stream=True, stream_waves=w, plan=True) for w in (1, 2, 4)]
     if args.sweep_splits:
         out += [dict(variant="fixed", num_splits=s) for s in (1, 2, 4, 8, 16, 32, 64)]
     if args.swap_ab:  # the products swapped (key tile as M): default tile, then a few others
@@ -187,7 +190,8 @@ def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: to
     default_config = pd.decode_config
     recs = []
     for var in decode_variants(args, batch, hkv, max_tiles, kv):
-        keys = ("num_splits", "split_target", "fused_merge", "swap_ab", "v_pages", "even_lengths", "fixed_min_chunk")
+        keys = ("num_splits", "split_target", "fused_merge", "swap_ab", "v_pages", "even_lengths", "fixed_min_chunk",
+                "stream", "stream_waves")
         kw = {k: var[k] for k in keys if k in var}
         planned = var.get("plan", False)
         if "config" in var:
@@ -385,6 +389,9 @@ def main() -> None:
     parser.add_argument("--sweep-fp8", action="store_true",
                         help="also time the swapped fp8 kernel's tiles and wave counts (issue 23.1)")
     parser.add_argument("--sweep-decode", action="store_true", help="also time decode tile configs and wave counts")
+    parser.add_argument("--compare-stream", action="store_true",
+                        help="also time the stream split (runs of key tiles across sequences) at 1, 2 and 4 waves, "
+                             "beside the even-lengths rule")
     parser.add_argument("--compare-even", action="store_true",
                         help="time the even split: the engine's rule, the one-wave rule (before EVEN_WAVES), "
                              "fp8 sized for 4 programs per SM, the balanced partition at 2/4/8 waves, fixed counts "

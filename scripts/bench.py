@@ -673,7 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
 DECODE_KNOBS = ("V_PAGES", "FUSED_MERGE", "DECODE_WAVES", "MIN_CHUNK_TILES", "PROGRAMS_PER_SM", "FP8_DECODE_MAXNREG",
                 "EVEN_FIXED_SPLIT", "FUSED_ROPE", "FP8_PROGRAMS_PER_SM", "EVEN_WAVES", "EVEN_MAX_SPLITS",
                 "EVEN_MIN_CHUNK_TILES", "EVEN_MIN_ROWS", "FP8_EVEN_MIN_CHUNK_TILES",
-                "UNIFORM_ONE_WAVE")
+                "UNIFORM_ONE_WAVE", "STREAM_K", "STREAM_WAVES")
 
 
 def parse_decode_knobs(text: str) -> dict[str, int]:
@@ -698,6 +698,11 @@ def apply_decode_knobs(knobs: dict[str, int]) -> None:
     for name, value in knobs.items():
         if name == "FUSED_ROPE":  # the Triton backends' rotary fused with the K/V store (its class attribute)
             TritonAttentionBackend.fuses_rope = bool(value)
+            continue
+        if name == "STREAM_WAVES":  # the stream split's program count (its own module)
+            import rollout.kernels.paged_decode_stream as ps
+
+            ps.STREAM_WAVES = value
             continue
         setattr(pd, name, bool(value) if isinstance(getattr(pd, name), bool) else value)
 

@@ -208,6 +208,13 @@ def test_decode_knobs_parse_apply_and_refuse(bench, capsys, monkeypatch):
     monkeypatch.setattr(TritonAttentionBackend, "fuses_rope", TritonAttentionBackend.fuses_rope)
     bench.apply_decode_knobs(bench.parse_args(["--decode-knobs", "FUSED_ROPE=0"]).decode_knobs)
     assert TritonAttentionBackend.fuses_rope is False  # the A/B switch of the rotary + K/V store fusion
+    import rollout.kernels.paged_decode_stream as ps
+
+    monkeypatch.setattr(pd, "STREAM_K", pd.STREAM_K)
+    monkeypatch.setattr(ps, "STREAM_WAVES", ps.STREAM_WAVES)
+    bench.apply_decode_knobs(bench.parse_args(["--decode-knobs", "STREAM_K=1,STREAM_WAVES=2"]).decode_knobs)
+    assert pd.STREAM_K is True and ps.STREAM_WAVES == 2  # the stream split's switch and its waves (its own module)
+    assert ps.stream_programs(2, 132, 6) == 2 * 6 * 132 // 2
     for bad, msg in (("V_PAGE=1", "expected NAME=INT"), ("V_PAGES", "expected NAME=INT"), ("V_PAGES=yes", "integer")):
         with pytest.raises(SystemExit):
             bench.parse_args(["--decode-knobs", bad])

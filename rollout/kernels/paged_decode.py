@@ -115,6 +115,10 @@ EVEN_MIN_ROWS = 0
 # (t1) on the H200: 9.140 ms a step, 0.833 of the floor, with it (h200_2026-12-03g_w1uniform_0e4691e.jsonl) against
 # 9.494 ms, 0.802, on the even rule (h200_2026-12-03f_w1_cff1531.jsonl). False: uniform steps take the even rule.
 UNIFORM_ONE_WAVE = True
+# The stream split (paged_decode_stream.py): one wave of programs, each streaming an equal run of the step's key
+# tiles across sequences, for every decode call without an explicit num_splits (even lengths included). Off until
+# bench/kernels_bench.py --compare-stream and W2 with --decode-knobs STREAM_K=1 time it on the GPU.
+STREAM_K = False
 
 
 @triton.jit
@@ -258,6 +262,61 @@ def _merge_chunks(part_o_ptr, part_lse_ptr, out_ptr, first, n, b, heads, g_ok, o
 
 
 @triton.jit
+def _chunk_attention(
+    q, t0, t1, bt_row, seq_len, start, kvh, qk_scale, k_ptr, v_ptr, ks_ptr, vs_ptr,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, stride_sb, stride_ss, stride_sh,
+    offs_n, offs_d, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_FP8: tl.constexpr, V_TRANS: tl.constexpr, SCALE_CONTIG: tl.constexpr, DOT_PREC: tl.constexpr,
+    SWAP_AB: tl.constexpr, V_PAGES: tl.constexpr,
+):  # fmt: skip
+    """Online softmax of one kv head's [G, D] queries over key tiles [t0, t1) of one sequence (its block-table
+    row ``bt_row``): (m_i, l_i, acc [G, D]), unnormalised. The tiles that end within the sequence run unmasked
+    V loads; the tile holding its end (at most one) runs last, masked (``TAIL``)."""
+    m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile cannot make NaNs
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    full = tl.minimum(t1, tl.maximum(seq_len // BLOCK_N, t0))  # tiles [t0, full) end within the sequence
+    k_sc, v_sc = _tile_scales(t0, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss, stride_sh, offs_n,
+                              PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
+    if SWAP_AB:
+        q_t = tl.trans(q)
+        acc_t = tl.zeros([HEAD_DIM, G_PAD], dtype=tl.float32)
+        for t in range(t0, full):
+            k_next, v_next = _tile_scales(t + 1, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
+                                          stride_sh, offs_n, PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
+            m_i, l_i, acc_t = _decode_tile_t(
+                q_t, m_i, l_i, acc_t, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
+                PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, False, V_PAGES,
+            )  # fmt: skip
+            k_sc, v_sc = k_next, v_next
+        for t in range(full, t1):  # at most one: the tile holding the sequence's end
+            m_i, l_i, acc_t = _decode_tile_t(
+                q_t, m_i, l_i, acc_t, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
+                PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, True,
+            )  # fmt: skip
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
+        for t in range(t0, full):
+            k_next, v_next = _tile_scales(t + 1, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
+                                          stride_sh, offs_n, PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
+            m_i, l_i, acc = _decode_tile(
+                q, m_i, l_i, acc, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
+                PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, False,
+            )  # fmt: skip
+            k_sc, v_sc = k_next, v_next
+        for t in range(full, t1):  # at most one: the tile holding the sequence's end
+            m_i, l_i, acc = _decode_tile(
+                q, m_i, l_i, acc, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
+                PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, True,
+            )  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _find_chunk(pid, seq_lens_ptr, window, batch, split_target, min_chunk, BLOCK_N: tl.constexpr,
                 USE_WINDOW: tl.constexpr, SCAN_N: tl.constexpr, WAVES: tl.constexpr):  # fmt: skip
     """Program ``pid``'s chunk of the balanced partition: (sequence b, its first program, its chunk count n, its
@@ -381,49 +440,12 @@ def _decode_split_kernel(
         q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=g_ok[:, None], other=0.0
     )
     q = to_dot16(q, DOT16)  # fp8 K/V: the products run in fp16 (one conversion instruction per 2 values)
-    m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile cannot make NaNs
-    l_i = tl.zeros([G_PAD], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    full = tl.minimum(t1, tl.maximum(seq_len // BLOCK_N, t0))  # tiles [t0, full) end within the sequence
-    k_sc, v_sc = _tile_scales(t0, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss, stride_sh, offs_n,
-                              PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
-    if SWAP_AB:
-        q_t = tl.trans(q)
-        acc_t = tl.zeros([HEAD_DIM, G_PAD], dtype=tl.float32)
-        for t in range(t0, full):
-            k_next, v_next = _tile_scales(t + 1, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
-                                          stride_sh, offs_n, PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
-            m_i, l_i, acc_t = _decode_tile_t(
-                q_t, m_i, l_i, acc_t, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
-                PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, False, V_PAGES,
-            )  # fmt: skip
-            k_sc, v_sc = k_next, v_next
-        for t in range(full, t1):  # at most one: the tile holding the sequence's end
-            m_i, l_i, acc_t = _decode_tile_t(
-                q_t, m_i, l_i, acc_t, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
-                PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, True,
-            )  # fmt: skip
-        acc = tl.trans(acc_t)
-    else:
-        acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
-        for t in range(t0, full):
-            k_next, v_next = _tile_scales(t + 1, bt_row, seq_len, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
-                                          stride_sh, offs_n, PAGE, BLOCK_N, KV_FP8, SCALE_CONTIG)  # fmt: skip
-            m_i, l_i, acc = _decode_tile(
-                q, m_i, l_i, acc, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
-                PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, False,
-            )  # fmt: skip
-            k_sc, v_sc = k_next, v_next
-        for t in range(full, t1):  # at most one: the tile holding the sequence's end
-            m_i, l_i, acc = _decode_tile(
-                q, m_i, l_i, acc, t, bt_row, seq_len, start, kvh, qk_scale, k_sc, v_sc, k_ptr, v_ptr,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d,
-                PAGE, BLOCK_N, KV_FP8, V_TRANS, DOT_PREC, True,
-            )  # fmt: skip
-
+    m_i, l_i, acc = _chunk_attention(
+        q, t0, t1, bt_row, seq_len, start, kvh, qk_scale, k_ptr, v_ptr, ks_ptr, vs_ptr,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, stride_sb, stride_ss, stride_sh,
+        offs_n, offs_d, G_PAD, HEAD_DIM, PAGE, BLOCK_N, KV_FP8, V_TRANS, SCALE_CONTIG, DOT_PREC, SWAP_AB, V_PAGES,
+    )  # fmt: skip
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     if n == 1:
@@ -452,11 +474,18 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     part_o_ptr, part_lse_ptr, seq_info_ptr, out_ptr, num_heads,
     stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, S_BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, S_BLOCK_N: tl.constexpr, ZERO_EMPTY: tl.constexpr = False,
 ):  # fmt: skip
+    """Sequence b's chunks merged into its output row for query head h. ``ZERO_EMPTY``: a sequence with no chunk
+    (n == 0: the stream split gives an empty one none) gets zeros here; the chunked splits give every sequence one."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(seq_info_ptr + 2 * b + 1)
+    if ZERO_EMPTY:
+        if n == 0:
+            zeros = tl.zeros([HEAD_DIM], dtype=out_ptr.dtype.element_ty)
+            tl.store(out_ptr + b * stride_ot + h * stride_oh + tl.arange(0, HEAD_DIM), zeros)
+            return
     if n <= 1:  # written directly by its only chunk
         return
     first = tl.load(seq_info_ptr + 2 * b)
@@ -584,6 +613,8 @@ def paged_decode_attention(
     even_lengths: bool | int = False,
     fixed_min_chunk: int | None = None,
     fixed_min_splits: int = 1,
+    stream: bool | None = None,
+    stream_waves: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (q: [B, Hq, D]) over its ``seq_lens[i]`` cached tokens.
 
@@ -604,7 +635,9 @@ def paged_decode_attention(
     mean); with ``num_splits`` None and EVEN_FIXED_SPLIT on, the step takes ``choose_num_splits``'s fixed count
     for its batch size (``even_num_splits``) instead of the balanced partition; 2 says they are uniform too
     (the longest within 1/8 of the shortest), which with UNIFORM_ONE_WAVE takes one wave's count and no minimum
-    chunk (otherwise as 1). ``fixed_min_chunk``: with a fixed
+    chunk (otherwise as 1). ``stream``: the stream split (``paged_decode_stream``; None = ``STREAM_K``) for a call
+    without ``num_splits``, ``stream_waves`` waves of programs (None = its STREAM_WAVES), runs of at least
+    ``min_chunk`` tiles. ``fixed_min_chunk``: with a fixed
     split, a sequence of t key tiles takes min(num_splits, max(fixed_min_splits, ceil(t / fixed_min_chunk)))
     chunks (None: EVEN_MIN_CHUNK_TILES and one wave's count on the even path, else 0 = exactly ``num_splits``).
     Returns ``out`` ([B, Hq, D], q's dtype).
@@ -641,7 +674,16 @@ def paged_decode_attention(
         v_pages = V_PAGES
     v_pages = bool(v_pages and swap_ab and consts["V_TRANS"])
     g_pad = max(8 if swap_ab else 16, triton.next_power_of_2(group))  # a dot's N may be 8, its M 16 at least
-    block_n, warps, stages, *maxnreg = decode_config(page, d, ptrs[0].dtype)
+    config = decode_config(page, d, ptrs[0].dtype)
+    block_n, warps, stages, *maxnreg = config
+    if (STREAM_K if stream is None else stream) and num_splits is None:
+        from rollout.kernels import paged_decode_stream as ps
+
+        programs = ps.stream_programs(hkv, num_sms(q.device), resident_programs(ptrs[0].dtype), stream_waves)
+        return ps.decode_stream(
+            q, ptrs, strides, consts, block_tables, seq_lens, out, scale * LOG2E, window, programs, min_chunk, plans,
+            config, swap_ab, v_pages, dot_precision(q), g_pad, _decode_reduce_kernel, S_BLOCK,
+        )  # fmt: skip
     if even_lengths and EVEN_FIXED_SPLIT and num_splits is None and batch * hkv >= EVEN_MIN_ROWS:
         max_tiles = triton.cdiv(block_tables.shape[1] * page, block_n)
         if even_lengths == 2 and UNIFORM_ONE_WAVE:  # uniform: one wave's equal chunks, no minimum

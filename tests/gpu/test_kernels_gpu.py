@@ -149,6 +149,36 @@ def test_decode_fused_merge_equals_two_kernels(kv):
         assert (got.float() - want.float()).abs().max().item() <= 1e-2 * want.float().abs().max().item()
 
 
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("batch,max_ctx,waves", [(256, 16384, 1), (256, 3072, 2), (7, 32768, 1)])
+def test_decode_stream_split(kv, batch, max_ctx, waves):
+    """The stream split (runs of key tiles across sequences, paged_decode_stream.py) at W2's shapes: equal to the
+    reference, graph padding (seq_len 0) zeroed, and one plan shared by a step's layers replayed in a CUDA graph."""
+    hq, hkv, d = PRESETS["qwen2.5-1.5b"]
+    lens = long_tail_lens(batch, max_ctx, seed=batch)
+    if batch > 2:
+        lens[-1] = lens[1] = 0
+    q, cache, meta = build([1] * batch, [max(1, n) for n in lens], hq, hkv, d)
+    meta.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+    scales = None
+    if kv == "fp8":
+        _, cache, scales = to_fp8(cache)
+        poison_tails(cache, meta)
+    args = (q, cache, meta.block_tables, meta.seq_lens, d**-0.5)
+    ref = reference_attention(q.float(), cache, meta, d**-0.5, kv_scales=scales)
+    live = meta.seq_lens > 0
+    out = paged_decode_attention(*args, kv_scales=scales, stream=True, stream_waves=waves, plans={})
+    assert rel_err(out[live], ref[live]) < 1e-2 and not out[~live].any()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plans = {}
+        first = paged_decode_attention(*args, kv_scales=scales, stream=True, stream_waves=waves, plans=plans)
+        second = paged_decode_attention(*args, kv_scales=scales, stream=True, stream_waves=waves, plans=plans)
+    first.fill_(7.0)
+    graph.replay()
+    assert torch.equal(first, second) and rel_err(first[live], ref[live]) < 1e-2 and not first[~live].any()
+
+
 @pytest.mark.parametrize("hq,hkv", [(8, 1), (16, 2), (32, 8)])  # GQA 8 with one kv head, 8, 4
 def test_decode_gqa_groups_32k(hq, hkv):
     q, cache, meta = build([1] * 3, [32768, 17, 20000], hq, hkv, 128)

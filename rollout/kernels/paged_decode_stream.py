@@ -1,0 +1,210 @@
+"""The stream split of paged decode attention ("stream-K" for decode, as in LeanAttention): one wave of
+programs, each streaming an equal run of key tiles that may cross sequences.
+
+The chunked splits (``paged_decode.py``) cut each sequence into chunks and let the block scheduler deal the
+chunks out over several waves. Two costs remain there that the byte floor does not pay, and fp8 KV pays them
+most (its tiles take half the time to copy, so a program's fixed costs weigh twice as much):
+
+* every chunk is a program that starts cold: its plan, sequence length, query and first block ids are
+  dependent loads before the first K/V copy is in flight, and its copy pipeline fills and drains once;
+* the last wave: chunk counts are whole numbers of waves only by chance, and the slots left idle at the end
+  of a step idle the SM's share of the bandwidth.
+
+Here the grid is ``programs`` per kv head, about ``STREAM_WAVES`` waves of the SMs' resident programs. The
+step's live key tiles, the sequences' tiles laid end to end, are cut into ``programs`` equal runs
+(at least ``min_chunk`` tiles each, the chunked splits' MIN_CHUNK_TILES by default; programs past
+the last run return at once); a program walks its run sequence by sequence: for each sequence it
+touches, one pipelined loop over that sequence's tiles in the run (``_chunk_attention``, shared with the
+chunked splits), then either the output (the run held the whole sequence) or an fp32 (out, log-sum-exp)
+partial. A sequence's partials come from consecutive programs, so the partial of (program p, sequence b)
+lives at row ``p + b`` (each step along the runs moves p or b by one): ``programs + batch`` rows. The
+chunked splits' reduce kernel merges them; it writes zeros for a sequence with no tiles (seq_len 0: graph
+padding), which no run touches.
+
+The grid and buffers depend only on the batch size, so a CUDA graph per batch size replays for any lengths.
+The plan (each program's first sequence and run, each sequence's partial rows) is one small kernel per step,
+kept in the step's ``plans`` dict for every layer with the same tile and window.
+
+Off by default (``paged_decode.STREAM_K``) until ``bench/kernels_bench.py --compare-stream`` and W2 with
+``--decode-knobs STREAM_K=1`` time it on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rollout.kernels.paged_common import to_dot16
+from rollout.kernels.paged_decode import _chunk_attention, _tile_range
+
+# Waves of resident programs the stream split launches per step (1: every program resident at once, each run
+# the step's exact share; more: shorter runs the block scheduler can even out when programs run at unequal
+# speeds).
+STREAM_WAVES = 1
+SCAN = 256  # sequences per step of the plan's prefix sums
+
+
+@triton.jit
+def _stream_plan_kernel(seq_lens_ptr, plan_ptr, seq_info_ptr, window, batch, programs, min_chunk,
+                        BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, SCAN_N: tl.constexpr):  # fmt: skip
+    """One step's stream split. Program pid < ``programs``: ``plan[pid] = (first sequence, tiles before it,
+    run start, run end)`` in the global tile order (empty run: start == end). Program pid < ``batch``:
+    ``seq_info[pid] = (first partial row, partial count)`` (count 0: no tiles; 1: written directly)."""
+    pid = tl.program_id(0)
+    offs = tl.arange(0, SCAN_N)
+    total = 0
+    for i in range(0, batch, SCAN_N):
+        lens = tl.load(seq_lens_ptr + i + offs, mask=i + offs < batch, other=0)
+        lo_v, hi_v = _tile_range(lens, window, BLOCK_N, USE_WINDOW)
+        total += tl.sum(hi_v - lo_v, 0)
+    chunk = tl.maximum((total + programs - 1) // programs, min_chunk)
+    g0 = tl.minimum(pid * chunk, total)
+    g1 = tl.minimum(g0 + chunk, total)
+    base = 0
+    b0 = 0
+    before = 0
+    seq_before = 0
+    seq_tiles = 0
+    for i in range(0, batch, SCAN_N):
+        ok = i + offs < batch
+        lens = tl.load(seq_lens_ptr + i + offs, mask=ok, other=0)
+        lo_v, hi_v = _tile_range(lens, window, BLOCK_N, USE_WINDOW)
+        nt = tl.where(ok, hi_v - lo_v, 0)
+        cum = tl.cumsum(nt, 0) + base  # tiles up to and including each sequence
+        excl = cum - nt
+        hit = (cum > g0) & (excl <= g0)  # the sequence holding tile g0 (none has no tiles: cum == excl)
+        b0 += tl.sum(tl.where(hit, i + offs, 0), 0)
+        before += tl.sum(tl.where(hit, excl, 0), 0)
+        mine = (i + offs) == pid
+        seq_before += tl.sum(tl.where(mine, excl, 0), 0)
+        seq_tiles += tl.sum(tl.where(mine, nt, 0), 0)
+        base += tl.sum(nt, 0)
+    if pid < programs:
+        tl.store(plan_ptr + 4 * pid, b0)
+        tl.store(plan_ptr + 4 * pid + 1, before)
+        tl.store(plan_ptr + 4 * pid + 2, g0)
+        tl.store(plan_ptr + 4 * pid + 3, g1)
+    if pid < batch:
+        p_first = seq_before // chunk
+        n = tl.where(seq_tiles > 0, (seq_before + seq_tiles - 1) // chunk - p_first + 1, 0)
+        tl.store(seq_info_ptr + 2 * pid, p_first + pid)
+        tl.store(seq_info_ptr + 2 * pid + 1, n)
+
+
+@triton.jit
+def _decode_stream_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, plan_ptr,
+    qk_scale, window, batch,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_sb, stride_ss, stride_sh,
+    stride_bt,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, KV_FP8: tl.constexpr, V_TRANS: tl.constexpr, SCALE_CONTIG: tl.constexpr,
+    DOT16: tl.constexpr, DOT_PREC: tl.constexpr, SWAP_AB: tl.constexpr, V_PAGES: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.load(plan_ptr + 4 * pid)
+    base = tl.load(plan_ptr + 4 * pid + 1)  # global index of sequence b's first live tile
+    g = tl.load(plan_ptr + 4 * pid + 2)
+    g1 = tl.load(plan_ptr + 4 * pid + 3)
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * GROUP + offs_g
+    g_ok = offs_g < GROUP
+    while (g < g1) & (b < batch):
+        seq_len = tl.load(seq_lens_ptr + b)
+        lo, hi = _tile_range(seq_len, window, BLOCK_N, USE_WINDOW)
+        seq_end = base + (hi - lo)
+        run_end = tl.minimum(g1, seq_end)
+        t0 = lo + (g - base)
+        t1 = lo + (run_end - base)
+        if t1 > t0:
+            start = 0
+            if USE_WINDOW:
+                start = tl.maximum(seq_len - window, 0)
+            q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=g_ok[:, None],
+                        other=0.0)  # fmt: skip
+            q = to_dot16(q, DOT16)
+            bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+            m_i, l_i, acc = _chunk_attention(
+                q, t0, t1, bt_row, seq_len, start, kvh, qk_scale, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, stride_sb, stride_ss,
+                stride_sh, offs_n, offs_d, G_PAD, HEAD_DIM, PAGE, BLOCK_N, KV_FP8, V_TRANS, SCALE_CONTIG, DOT_PREC,
+                SWAP_AB, V_PAGES,
+            )  # fmt: skip
+            has = l_i > 0.0
+            o = acc / tl.where(has, l_i, 1.0)[:, None]
+            if (t0 == lo) & (t1 == hi):  # the whole sequence in this run: its output, no partial
+                o_ptrs = out_ptr + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+                tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+            else:
+                row = (pid + b).to(tl.int64) * (GROUP * tl.num_programs(1)) + heads
+                tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_ok[:, None])
+                lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+                tl.store(part_lse_ptr + row, lse, mask=g_ok)
+        g = run_end
+        base = seq_end
+        b += 1
+
+
+def stream_programs(num_kv_heads: int, sms: int, per_sm: int, waves: int | None = None) -> int:
+    """Programs per kv head: ``waves`` (default STREAM_WAVES) waves of ``per_sm`` resident programs per SM."""
+    waves = STREAM_WAVES if waves is None else waves
+    if waves < 1:
+        raise ValueError(f"stream waves must be >= 1; got {waves}")
+    return max(1, waves * per_sm * sms // max(1, num_kv_heads))
+
+
+def stream_plan(plans: dict | None, seq_lens: torch.Tensor, block_n: int, window: int, programs: int,
+                min_chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(plan [programs, 4] int32, seq_info [B, 2] int32) of the stream split over ``seq_lens``, from ``plans`` if
+    this step already made it for the same tile, window and program count, else made now (one launch)."""
+    key = ("stream", seq_lens.data_ptr(), seq_lens.shape[0], block_n, window, programs, min_chunk)
+    got = None if plans is None else plans.get(key)
+    if got is None:
+        batch = seq_lens.shape[0]
+        plan = torch.empty((programs, 4), dtype=torch.int32, device=seq_lens.device)
+        seq_info = torch.empty((batch, 2), dtype=torch.int32, device=seq_lens.device)
+        _stream_plan_kernel[(max(programs, batch),)](
+            seq_lens, plan, seq_info, window, batch, programs, min_chunk,
+            BLOCK_N=block_n, USE_WINDOW=window > 0, SCAN_N=SCAN, num_warps=4,
+        )  # fmt: skip
+        got = (plan, seq_info)
+        if plans is not None:
+            plans[key] = got
+    return got
+
+
+def decode_stream(q: torch.Tensor, ptrs: tuple, strides: tuple, consts: dict, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, out: torch.Tensor, qk_scale: float, window: int, programs: int,
+                  min_chunk: int, plans: dict | None, config: tuple, swap_ab: bool, v_pages: bool,
+                  dot_prec: str, g_pad: int, reduce_kernel, s_block: int) -> torch.Tensor:
+    """Launch the stream split (plan, split kernel, reduce) on arguments ``paged_decode_attention`` checked."""
+    batch, hq, d = q.shape
+    page, hkv = ptrs[0].shape[1], ptrs[0].shape[2]
+    block_n, warps, stages, *maxnreg = config
+    if min_chunk < 1:
+        raise ValueError(f"min_chunk must be >= 1; got {min_chunk}")
+    plan, seq_info = stream_plan(plans, seq_lens, block_n, window, programs, min_chunk)
+    part_o = torch.empty((programs + batch, hq, d), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((programs + batch, hq), dtype=torch.float32, device=q.device)
+    launch = dict(num_warps=warps, num_stages=stages)
+    if maxnreg and maxnreg[0]:
+        launch["maxnreg"] = maxnreg[0]
+    _decode_stream_kernel[(programs, hkv)](
+        q, *ptrs, block_tables, seq_lens, out, part_o, part_lse, plan, qk_scale, window, batch,
+        q.stride(0), q.stride(1), *strides, block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=hq // hkv, G_PAD=g_pad, HEAD_DIM=d, PAGE=page, BLOCK_N=block_n, USE_WINDOW=window > 0, **consts,
+        DOT_PREC=dot_prec, SWAP_AB=swap_ab, V_PAGES=v_pages, **launch,
+    )  # fmt: skip
+    reduce_kernel[(batch, hq)](
+        part_o, part_lse, seq_info, out, hq, out.stride(0), out.stride(1),
+        HEAD_DIM=d, S_BLOCK_N=s_block, ZERO_EMPTY=True, num_warps=4,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,190 @@
+"""The stream split of paged decode attention (rollout/kernels/paged_decode_stream.py) against the torch reference,
+in the Triton interpreter: runs of key tiles that cross sequences, partial rows p + b, empty sequences zeroed by the
+reduce, windows, fp8 caches, the plan shared by a step's layers, the module switch.
+
+The checks run in a child process under TRITON_INTERPRET=1 (tests/interpreter.py explains why).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout.layers.attention import reference_attention
+from tests.interpreter import child_main, child_verdicts
+from tests.test_fp8_kv import fp8_scenario
+from tests.test_kernels import SCALE, assert_close, long_tail, scenario
+
+
+def stream_decode(q, cache, meta, window=None, **kw):
+    from rollout.kernels.paged_decode import paged_decode_attention
+
+    return paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, window, stream=True, **kw)
+
+
+def check_stream(hq, hkv, d, page, seq_lens, window=None, tol=1e-4, dtype=torch.float32, **kw):
+    q, cache, meta = scenario([1] * len(seq_lens), seq_lens, hq, hkv, d, page, dtype)
+    assert_close(stream_decode(q, cache, meta, window, **kw), reference_attention(q, cache, meta, SCALE, window), tol)
+
+
+def runs_crossing(plan: torch.Tensor, seq_lens: list[int], block_n: int) -> int:
+    """How many programs' runs hold tiles of more than one sequence."""
+    tiles = [-(-s // block_n) for s in seq_lens]
+    crossing = 0
+    for b0, before, g0, g1 in plan.tolist():
+        if g1 > g0 and g1 > before + tiles[b0]:
+            crossing += 1
+    return crossing
+
+
+def check_stream_plan_crosses_sequences():
+    """The plan cuts the live tiles into equal runs laid over the sequences end to end: some runs cross a
+    sequence's end, each sequence's partial rows are consecutive and distinct from every other's."""
+    import rollout.kernels.paged_decode_stream as ps
+    from rollout.kernels.paged_decode import decode_config
+
+    lens = long_tail(24, 2000, 1)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    block_n = decode_config(16, 16, torch.float32)[0]
+    plan, seq_info = ps.stream_plan(None, seq_lens, block_n, 0, programs=7, min_chunk=1)
+    tiles = [-(-s // block_n) for s in lens]
+    chunk = -(-sum(tiles) // 7)
+    assert [g0 for *_, g0, _ in plan.tolist()] == [min(p * chunk, sum(tiles)) for p in range(7)]
+    assert plan[-1, 3].item() == sum(tiles), "the runs cover every live tile"
+    assert runs_crossing(plan, lens, block_n) >= 3
+    rows = set()
+    for b, (first, n) in enumerate(seq_info.tolist()):
+        assert n >= 1
+        mine = set(range(first, first + n)) if n > 1 else set()
+        assert not rows & mine, f"sequence {b}'s partial rows {mine} overlap another's"
+        rows |= mine
+    assert max(rows) < 7 + len(lens)
+
+
+def check_stream_empty_sequences_zeroed():
+    """seq_len 0 (graph padding) in the middle and at the end: zeros, though no run touches it; out in place."""
+    q, cache, meta = scenario([1] * 5, [12, 1, 40, 33, 9], 4, 2, 16, 8)
+    meta.seq_lens[1] = 0
+    meta.seq_lens[4] = 0
+    out = torch.full_like(q, 7.0)
+    for waves in (1, 3):
+        res = stream_decode(q, cache, meta, out=out, min_chunk=1, stream_waves=waves)
+        assert res.data_ptr() == out.data_ptr()
+        assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(out[4], torch.zeros_like(out[4]))
+        live = [0, 2, 3]
+        ref = reference_attention(q, cache, meta, SCALE)
+        assert_close(out[live], ref[live], 1e-4)
+
+
+def check_stream_planned_once_per_step():
+    """A step's layers share one plan (one plan launch for two calls on the same seq_lens); new lengths re-plan."""
+    import rollout.kernels.paged_decode_stream as ps
+
+    q, cache, meta = scenario([1] * 9, long_tail(9, 700, 5), 8, 2, 16, 16)
+    launches, plan_kernel = [], ps._stream_plan_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return plan_kernel[grid]
+
+    ps._stream_plan_kernel = Counted()
+    try:
+        plans = {}
+        ref = reference_attention(q, cache, meta, SCALE)
+        for _ in range(2):
+            assert_close(stream_decode(q, cache, meta, plans=plans, min_chunk=1), ref, 1e-4)
+        assert len(launches) == 1, launches
+        stream_decode(q, cache, meta, plans={}, min_chunk=1)
+        assert len(launches) == 2
+    finally:
+        ps._stream_plan_kernel = plan_kernel
+
+
+def check_stream_switch():
+    """STREAM_K routes calls without num_splits to the stream split; an explicit num_splits keeps the fixed one."""
+    import rollout.kernels.paged_decode as pd
+    import rollout.kernels.paged_decode_stream as ps
+
+    q, cache, meta = scenario([1] * 4, [5, 300, 64, 90], 4, 2, 16, 8)
+    ref = reference_attention(q, cache, meta, SCALE)
+    calls, stream = [], ps.decode_stream
+    ps.decode_stream = lambda *a, **kw: calls.append(1) or stream(*a, **kw)
+    old = pd.STREAM_K
+    try:
+        pd.STREAM_K = True
+        assert_close(pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE), ref, 1e-4)
+        assert calls == [1]
+        assert_close(pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, num_splits=2),
+                     ref, 1e-4)  # fmt: skip
+        assert calls == [1]
+        pd.STREAM_K = False
+        pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE)
+        assert calls == [1]
+    finally:
+        pd.STREAM_K = old
+        ps.decode_stream = stream
+
+
+def check_stream_errors():
+    q, cache, meta = scenario([1, 1], [5, 30], 4, 2, 16, 8)
+    for kw, words in ((dict(stream_waves=0), "stream waves must be >= 1"), (dict(min_chunk=0), "min_chunk")):
+        try:
+            stream_decode(q, cache, meta, **kw)
+        except ValueError as e:
+            assert words in str(e), e
+        else:
+            raise AssertionError(f"{kw} was accepted")
+
+
+def check_stream_many_seqs_small_scan():
+    """More sequences than one step of the plan's prefix sums (SCAN shrunk to 8), more programs than sequences."""
+    import rollout.kernels.paged_decode_stream as ps
+
+    old, ps.SCAN = ps.SCAN, 8
+    try:
+        check_stream(2, 1, 16, 8, long_tail(19, 300, 3), min_chunk=1, stream_waves=3)
+    finally:
+        ps.SCAN = old
+
+
+def check_stream_fp8(hq, hkv, d, page, seq_lens, window=None, q_dtype=torch.float32, tol=1e-4, **kw):
+    q, _, values, scales, meta = fp8_scenario([1] * len(seq_lens), seq_lens, hq, hkv, d, page)
+    q = q.to(q_dtype)
+    ref = reference_attention(q.float(), values, meta, SCALE, window, scales)
+    assert_close(stream_decode(q, values, meta, window, kv_scales=scales, **kw), ref, tol)
+
+
+CHECKS = {
+    "stream_plan_crosses_sequences": check_stream_plan_crosses_sequences,
+    "stream_long_tail": lambda: check_stream(4, 2, 16, 16, long_tail(24, 2000, 1), min_chunk=1),
+    "stream_long_tail_waves3_swap_ab": lambda: check_stream(4, 2, 16, 16, long_tail(24, 2000, 1), min_chunk=1,
+                                                            stream_waves=3, swap_ab=True),
+    "stream_gqa6_window": lambda: check_stream(12, 2, 16, 8, [1, 19, 20, 21, 900, 3], window=150, min_chunk=1),
+    "stream_gqa8_one_kv_head": lambda: check_stream(8, 1, 16, 8, long_tail(7, 1200, 4)),
+    "stream_more_programs_than_tiles": lambda: check_stream(4, 2, 16, 8, [1, 3, 2], min_chunk=1, stream_waves=4),
+    "stream_fp16_cache": lambda: check_stream(4, 2, 32, 16, [7, 300, 45], tol=1e-2, dtype=torch.float16,
+                                                    min_chunk=1),
+    "stream_empty_sequences_zeroed": check_stream_empty_sequences_zeroed,
+    "stream_planned_once_per_step": check_stream_planned_once_per_step,
+    "stream_switch": check_stream_switch,
+    "stream_errors": check_stream_errors,
+    "stream_many_seqs_small_scan": check_stream_many_seqs_small_scan,
+    "stream_fp8_long_tail": lambda: check_stream_fp8(12, 2, 16, 16, long_tail(12, 1500, 7), min_chunk=1),
+    "stream_fp8_v_pages_bf16_queries_window": lambda: check_stream_fp8(
+        6, 2, 32, 16, [7, 260, 45, 600], window=100, q_dtype=torch.bfloat16, tol=2e-2, min_chunk=1, v_pages=True),
+}
+
+
+@pytest.fixture(scope="module")
+def verdicts() -> dict[str, str]:
+    return child_verdicts(__file__)
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_stream_decode(verdicts: dict[str, str], name: str) -> None:
+    assert verdicts[name] == "ok", verdicts[name]
+
+
+if __name__ == "__main__":
+    child_main(CHECKS)
