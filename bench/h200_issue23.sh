@@ -75,9 +75,9 @@ for stage in "$@"; do
     stream)
       # the stream split (runs of key tiles across sequences, paged_decode_stream.py) at 1 / 2 / 4 waves against the
       # engine's rules: W2's long tail to 16K, then its 256-sequence steps' even lengths in [1K, 3K] (~3 min)
-      timeout 200 python3 bench/kernels_bench.py --preset qwen2.5-1.5b --lengths long-tail --batches 64,128,256 \
+      timeout 170 python3 bench/kernels_bench.py --preset qwen2.5-1.5b --lengths long-tail --batches 128,256 \
         --ctxs 16384 --kv bf16,fp8 --no-prefill --compare-stream > "$OUT/kernels_stream.jsonl" 2> "$OUT/stream.err"
-      timeout 150 python3 bench/kernels_bench.py --preset qwen2.5-1.5b --lengths even --batches 192,256 \
+      timeout 120 python3 bench/kernels_bench.py --preset qwen2.5-1.5b --lengths even --batches 256 \
         --ctxs 3072 --kv bf16,fp8 --no-prefill --compare-stream >> "$OUT/kernels_stream.jsonl" 2>> "$OUT/stream.err"
       tail -3 "$OUT/stream.err"; summary "$OUT/kernels_stream.jsonl" ;;
     even_short)
