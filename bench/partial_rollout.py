@@ -20,9 +20,7 @@ import dataclasses
 import datetime as dt
 import importlib.util
 import math
-import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -198,11 +196,8 @@ def steady_state(rounds: list[dict], warmup: int) -> dict:
 
 
 def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-        return out.stdout.strip() or os.environ.get("COMMIT", "unknown")
-    except OSError:
-        return os.environ.get("COMMIT", "unknown")
+    """scripts/bench.py's: $COMMIT first (the GPU machine's copy of the tree may carry a stale .git), then git."""
+    return load_bench()._commit()
 
 
 def main() -> None:

@@ -110,3 +110,11 @@ def test_score_bench_reports_the_attention_share_of_kernel_time():
            ("nvjet_gemm", 750.0)]
     assert score.attention_share(fa4)["attention_share"] == 0.25
     assert score.attention_share([]) == {"attention_ms": 0.0, "attention_share": 0.0}
+
+
+def test_partial_record_names_the_commit_from_the_environment_first(monkeypatch):
+    """The GPU machine's copy of the tree may carry a stale .git: $COMMIT (device_env.sh sets it) wins, as in
+    scripts/bench.py (a keep-KV run at 3de8f38 was recorded as 32d8e57 by git)."""
+    partial = load_bench("partial_rollout")
+    monkeypatch.setenv("COMMIT", "abc1234")
+    assert partial._commit() == "abc1234"

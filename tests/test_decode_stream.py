@@ -126,6 +126,32 @@ def check_stream_switch():
         ps.decode_stream = stream
 
 
+def check_stream_switch_per_cache_kind():
+    """STREAM_K_FP8 routes fp8 caches only, STREAM_K 16-bit ones only."""
+    import rollout.kernels.paged_decode as pd
+    import rollout.kernels.paged_decode_stream as ps
+
+    q, _, values, scales, meta = fp8_scenario([1] * 3, [7, 260, 45], 4, 2, 16, 16)
+    q16, cache, meta16 = scenario([1] * 3, [7, 260, 45], 4, 2, 16, 16)
+    calls, stream = [], ps.decode_stream
+    ps.decode_stream = lambda *a, **kw: calls.append(a[1][0].dtype) or stream(*a, **kw)
+    old = pd.STREAM_K, pd.STREAM_K_FP8
+    try:
+        pd.STREAM_K, pd.STREAM_K_FP8 = False, True
+        ref = reference_attention(q, values, meta, SCALE, None, scales)
+        assert_close(pd.paged_decode_attention(q, values, meta.block_tables, meta.seq_lens, SCALE, kv_scales=scales),
+                     ref, 1e-4)  # fmt: skip
+        pd.paged_decode_attention(q16, cache, meta16.block_tables, meta16.seq_lens, SCALE)
+        assert calls == [torch.float8_e4m3fn], calls
+        pd.STREAM_K, pd.STREAM_K_FP8 = True, False
+        pd.paged_decode_attention(q, values, meta.block_tables, meta.seq_lens, SCALE, kv_scales=scales)
+        pd.paged_decode_attention(q16, cache, meta16.block_tables, meta16.seq_lens, SCALE)
+        assert calls == [torch.float8_e4m3fn, torch.float32], calls
+    finally:
+        pd.STREAM_K, pd.STREAM_K_FP8 = old
+        ps.decode_stream = stream
+
+
 def check_stream_errors():
     q, cache, meta = scenario([1, 1], [5, 30], 4, 2, 16, 8)
     for kw, words in ((dict(stream_waves=0), "stream waves must be >= 1"), (dict(min_chunk=0), "min_chunk")):
@@ -168,6 +194,7 @@ CHECKS = {
     "stream_empty_sequences_zeroed": check_stream_empty_sequences_zeroed,
     "stream_planned_once_per_step": check_stream_planned_once_per_step,
     "stream_switch": check_stream_switch,
+    "stream_switch_per_cache_kind": check_stream_switch_per_cache_kind,
     "stream_errors": check_stream_errors,
     "stream_many_seqs_small_scan": check_stream_many_seqs_small_scan,
     "stream_fp8_long_tail": lambda: check_stream_fp8(12, 2, 16, 16, long_tail(12, 1500, 7), min_chunk=1),

@@ -116,9 +116,13 @@ EVEN_MIN_ROWS = 0
 # 9.494 ms, 0.802, on the even rule (h200_2026-12-03f_w1_cff1531.jsonl). False: uniform steps take the even rule.
 UNIFORM_ONE_WAVE = True
 # The stream split (paged_decode_stream.py): one wave of programs, each streaming an equal run of the step's key
-# tiles across sequences, for every decode call without an explicit num_splits (even lengths included). Off until
-# bench/kernels_bench.py --compare-stream and W2 with --decode-knobs STREAM_K=1 time it on the GPU.
+# tiles across sequences, for every decode call without an explicit num_splits (even lengths included); STREAM_K for
+# 16-bit caches, STREAM_K_FP8 for fp8. H100 at 3de8f38, qwen2.5-1.5b (bench/results/h100_2026-12-07c_kernels_stream_
+# 3de8f38.jsonl), one wave against the engine's rule: fp8 1.070x faster on W2's 256-sequence steps (even lengths in
+# [1K, 3K]: 0.1298 vs 0.1389 ms), 1.011x / 1.023x on the 16K long tail at B=256 / 128; bf16 0.879x / 0.880x / 0.890x
+# (two waves: 0.970x / 0.994x / 0.987x). Both off until W2 with --decode-knobs STREAM_K_FP8=1 times it in the engine.
 STREAM_K = False
+STREAM_K_FP8 = False
 
 
 @triton.jit
@@ -635,10 +639,10 @@ def paged_decode_attention(
     mean); with ``num_splits`` None and EVEN_FIXED_SPLIT on, the step takes ``choose_num_splits``'s fixed count
     for its batch size (``even_num_splits``) instead of the balanced partition; 2 says they are uniform too
     (the longest within 1/8 of the shortest), which with UNIFORM_ONE_WAVE takes one wave's count and no minimum
-    chunk (otherwise as 1). ``stream``: the stream split (``paged_decode_stream``; None = ``STREAM_K``) for a call
-    without ``num_splits``, ``stream_waves`` waves of programs (None = its STREAM_WAVES), runs of at least
-    ``min_chunk`` tiles. ``fixed_min_chunk``: with a fixed
-    split, a sequence of t key tiles takes min(num_splits, max(fixed_min_splits, ceil(t / fixed_min_chunk)))
+    chunk (otherwise as 1). ``stream``: the stream split (``paged_decode_stream``; None = ``STREAM_K``, for an fp8
+    cache ``STREAM_K_FP8``) for a call without ``num_splits``, ``stream_waves`` waves of programs (None = its
+    STREAM_WAVES), runs of at least ``min_chunk`` tiles. ``fixed_min_chunk``: with a fixed split, a sequence of
+    t key tiles takes min(num_splits, max(fixed_min_splits, ceil(t / fixed_min_chunk)))
     chunks (None: EVEN_MIN_CHUNK_TILES and one wave's count on the even path, else 0 = exactly ``num_splits``).
     Returns ``out`` ([B, Hq, D], q's dtype).
     """
@@ -676,7 +680,9 @@ def paged_decode_attention(
     g_pad = max(8 if swap_ab else 16, triton.next_power_of_2(group))  # a dot's N may be 8, its M 16 at least
     config = decode_config(page, d, ptrs[0].dtype)
     block_n, warps, stages, *maxnreg = config
-    if (STREAM_K if stream is None else stream) and num_splits is None:
+    if stream is None:
+        stream = STREAM_K_FP8 if consts["KV_FP8"] else STREAM_K
+    if stream and num_splits is None:
         from rollout.kernels import paged_decode_stream as ps
 
         programs = ps.stream_programs(hkv, num_sms(q.device), resident_programs(ptrs[0].dtype), stream_waves)
