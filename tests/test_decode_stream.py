@@ -181,6 +181,35 @@ def check_stream_fp8(hq, hkv, d, page, seq_lens, window=None, q_dtype=torch.floa
     assert_close(stream_decode(q, values, meta, window, kv_scales=scales, **kw), ref, tol)
 
 
+def check_stream_backend_step():
+    """The Triton backend with STREAM_K_FP8 / STREAM_K on: a decode step's layers (their fresh per-forward
+    ``decode_plans``, even lengths flagged) equal the torch backend; one stream plan kept for the step."""
+    import rollout.kernels.paged_decode as pd
+    from rollout.layers.attention import TorchAttentionBackend
+    from rollout.layers.triton_backend import TritonAttentionBackend
+
+    old = pd.STREAM_K, pd.STREAM_K_FP8
+    try:
+        pd.STREAM_K = pd.STREAM_K_FP8 = True
+        for fp8 in (True, False):
+            if fp8:
+                q, cache, _, _, meta = fp8_scenario([1] * 4, [40, 33, 61, 47], 4, 2, 16, 8)
+            else:
+                q, cache, meta = scenario([1] * 4, [40, 33, 61, 47], 4, 2, 16, 8)
+            gen = torch.Generator().manual_seed(2)
+            k, v = torch.randn(2, q.shape[0], 2, 16, generator=gen).unbind(0)
+            ref_cache = cache.clone()
+            ref = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, SCALE)
+            meta.decode_plans, meta.decode_even_lengths = {}, True
+            backend = TritonAttentionBackend()
+            for _ in range(2):  # two layers of one step
+                out = backend.forward(q, k, v, cache, meta, SCALE)
+                assert_close(out, ref, 1e-4)
+            assert [key[0] for key in meta.decode_plans] == ["stream"], list(meta.decode_plans)
+    finally:
+        pd.STREAM_K, pd.STREAM_K_FP8 = old
+
+
 CHECKS = {
     "stream_plan_crosses_sequences": check_stream_plan_crosses_sequences,
     "stream_long_tail": lambda: check_stream(4, 2, 16, 16, long_tail(24, 2000, 1), min_chunk=1),
@@ -196,6 +225,7 @@ CHECKS = {
     "stream_switch": check_stream_switch,
     "stream_switch_per_cache_kind": check_stream_switch_per_cache_kind,
     "stream_errors": check_stream_errors,
+    "stream_backend_step": check_stream_backend_step,
     "stream_many_seqs_small_scan": check_stream_many_seqs_small_scan,
     "stream_fp8_long_tail": lambda: check_stream_fp8(12, 2, 16, 16, long_tail(12, 1500, 7), min_chunk=1),
     "stream_fp8_v_pages_bf16_queries_window": lambda: check_stream_fp8(
