@@ -127,9 +127,11 @@ for l in sys.stdin:
           ${knobs:+--decode-knobs $knobs} --out "$OUT/step_profile_w1.jsonl" 2>&1 | tail -8
       done ;;
     partial)  # issue 23.6: partial vs drain at W2's 16K tail (PARTIAL_MODES, PARTIAL_ROUNDS; one mode per call if long;
-      # PARTIAL_KEEP_KV=1: pushes keep the in-flight KV, recompute_running=False, PipelineRL's in-flight update)
+      # PARTIAL_KEEP_KV=1: pushes keep the in-flight KV, recompute_running=False, PipelineRL's in-flight update;
+      # PARTIAL_KV=fp8: both modes on an fp8 KV cache; KNOBS: --decode-knobs, e.g. STREAM_K_FP8=1)
       timeout ${PARTIAL_TIMEOUT:-540} python3 bench/partial_rollout.py --modes "${PARTIAL_MODES:-drain,partial}" \
         --rounds "${PARTIAL_ROUNDS:-3}" --warmup-rounds "${PARTIAL_WARMUP:-1}" ${PARTIAL_KEEP_KV:+--keep-kv} \
+        --kv-cache-dtype "${PARTIAL_KV:-auto}" ${KNOBS:+--decode-knobs "$KNOBS"} \
         --time-budget-s $(( ${PARTIAL_TIMEOUT:-540} - 15 )) --out "$OUT/partial.jsonl" > "$OUT/partial.log" 2>&1
       grep -E " round [0-9]+/" "$OUT/partial.log"; tail -3 "$OUT/partial.log"; cat "$OUT/partial.jsonl" 2>/dev/null ;;
     w2_512)

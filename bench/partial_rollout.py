@@ -89,6 +89,7 @@ def run(mode: str, hf: torch.nn.Module, args: argparse.Namespace) -> dict:
     engine = Engine.from_pretrained(
         hf, dtype="bfloat16" if cuda else "float32", device="cuda" if cuda else "cpu",
         max_model_len=args.prompt_len + args.new + 16, max_num_seqs=args.max_num_seqs,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     # Warm-up in the run's sampling: every decode graph size, with even lengths and with one long context (the
     # decode kernel's two split kinds), so no capture lands inside a timed round.
@@ -139,7 +140,9 @@ def run(mode: str, hf: torch.nn.Module, args: argparse.Namespace) -> dict:
         workload="W2-actor", timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), mode=mode,
         preset=args.preset, prompts=args.prompts, n=args.n, new_tokens=args.new, rounds=len(rounds),
         rounds_asked=args.rounds,
-        recompute_running=not args.keep_kv, wall_s=round(wall, 3), generated_tokens=generated,
+        recompute_running=not args.keep_kv, kv_cache_dtype=args.kv_cache_dtype,
+        **({"decode_knobs": args.decode_knobs} if args.decode_knobs else {}), wall_s=round(wall, 3),
+        generated_tokens=generated,
         tok_s=round(generated / wall, 1), handed_out_tokens=handed, handed_out_tok_s=round(handed / wall, 1),
         round_time_s=[round(m["round_time_s"], 2) for m in rounds],
         handed_out_tokens_per_round=[m["completion_tokens"] for m in rounds],
@@ -216,12 +219,22 @@ def main() -> None:
     p.add_argument("--keep-kv", action="store_true", help="partial: recompute_running=False across pushes")
     p.add_argument("--time-budget-s", type=float, default=0.0,
                    help="all modes together: start no round that would end past this many seconds (0: no limit)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="the engine's KV cache (both modes alike)")
+    p.add_argument("--decode-knobs", default="", metavar="NAME=INT[,...]",
+                   help="scripts/bench.py's --decode-knobs (the decode kernel's tuning constants), e.g. STREAM_K_FP8=1")
     p.add_argument("--out", default=None, help="append the JSON lines to this file")
     args = p.parse_args()
     if args.time_budget_s < 0:
         p.error(f"--time-budget-s must be >= 0 (0: no limit), got {args.time_budget_s}")
     args.deadline = time.monotonic() + args.time_budget_s if args.time_budget_s else None
-    hf, emit = build_model(args.preset), load_bench().emit
+    bench = load_bench()
+    try:
+        args.decode_knobs = bench.parse_decode_knobs(args.decode_knobs)
+    except ValueError as e:
+        p.error(str(e))
+    bench.apply_decode_knobs(args.decode_knobs)
+    hf, emit = build_model(args.preset), bench.emit
     for mode in [m for m in args.modes.split(",") if m]:
         emit(run(mode, hf, args), args.out)
 

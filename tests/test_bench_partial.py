@@ -64,10 +64,23 @@ def test_partial_rollout_parses_warmup_rounds(monkeypatch):
 
     monkeypatch.setattr(partial, "build_model", lambda preset: None)
     monkeypatch.setattr(partial, "run", fake_run)
-    monkeypatch.setattr(partial, "load_bench", lambda: argparse.Namespace(emit=lambda rec, out: None))
+    bench, applied = load_script("bench"), []
+    monkeypatch.setattr(partial, "load_bench", lambda: argparse.Namespace(
+        emit=lambda rec, out: None, parse_decode_knobs=bench.parse_decode_knobs, apply_decode_knobs=applied.append))
     monkeypatch.setattr(sys, "argv", ["partial_rollout.py", "--modes", "drain,partial", "--warmup-rounds", "2"])
     partial.main()
     assert seen == {"drain": 2, "partial": 2}
+    # both modes on an fp8 cache with the decode kernel's knobs (the stream split), parsed as scripts/bench.py does
+    monkeypatch.setattr(partial, "run", lambda mode, hf, args: seen.update({mode: (args.kv_cache_dtype,
+                                                                                   args.decode_knobs)}) or {})
+    monkeypatch.setattr(sys, "argv", ["partial_rollout.py", "--kv-cache-dtype", "fp8", "--decode-knobs",
+                                      "STREAM_K_FP8=1"])
+    partial.main()
+    assert seen["partial"] == seen["drain"] == ("fp8", {"STREAM_K_FP8": 1}) and applied[-1] == {"STREAM_K_FP8": 1}
+    for bad in (["--decode-knobs", "NOPE=1"], ["--kv-cache-dtype", "int4"]):
+        monkeypatch.setattr(sys, "argv", ["partial_rollout.py", *bad])
+        with pytest.raises(SystemExit):
+            partial.main()
     monkeypatch.setattr(sys, "argv", ["partial_rollout.py", "--time-budget-s", "-1"])
     with pytest.raises(SystemExit):
         partial.main()
