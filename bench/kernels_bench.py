@@ -156,6 +156,10 @@ def decode_variants(args, batch: int, hkv: int, max_tiles: int, kv: str = "bf16"
     if getattr(args, "compare_stream", False):  # the stream split: runs across sequences, 1-4 waves of programs
         out.append(dict(variant="even", even_lengths=True, plan=True))  # what the engine runs for even lengths
         out += [dict(variant=f"stream_w{w}", stream=True, stream_waves=w, plan=True) for w in (1, 2, 4)]
+        # one wave sized by other residencies (bench/kernel_sass.py: 5 bf16 programs an SM, not PROGRAMS_PER_SM = 4)
+        name = "FP8_PROGRAMS_PER_SM" if kv == "fp8" else "PROGRAMS_PER_SM"
+        out += [dict(variant=f"stream_w1_ps{n}", stream=True, stream_waves=1, plan=True, knobs={name: n})
+                for n in ((5, 7) if kv == "fp8" else (5, 6))]
     if args.sweep_splits:
         out += [dict(variant="fixed", num_splits=s) for s in (1, 2, 4, 8, 16, 32, 64)]
     if args.swap_ab:  # the products swapped (key tile as M): default tile, then a few others
@@ -196,6 +200,9 @@ def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: to
         planned = var.get("plan", False)
         if "config" in var:
             pd.decode_config = lambda *_, c=var["config"]: c  # bench-only override of the tile choice
+        saved = {name: getattr(pd, name) for name in var.get("knobs", {})}
+        for name, value in var.get("knobs", {}).items():  # module constants for this variant only
+            setattr(pd, name, value)
         try:
             calls = [
                 lambda x=x, kw=kw, p=({} if planned else None): pd.paged_decode_attention(  # a plan per input
@@ -206,6 +213,8 @@ def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: to
             ms = graph_ms(calls)
         finally:
             pd.decode_config = default_config
+            for name, value in saved.items():
+                setattr(pd, name, value)
         rec = {
             "bench": "decode", "preset": args.preset, "dtype": str(dtype).removeprefix("torch."), "kv": kv,
             "lengths": args.lengths, "B": batch, "ctx": ctx, "mean_ctx": round(sum(lens) / batch),

@@ -47,3 +47,19 @@ def test_even_rule_summary(tmp_path, capsys):
     er.main([str(path)])
     (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert row["best_splits"] == 3 and row["vs_best"]["even"] == 1.25 and row["vs_best"]["even_one_wave(3)"] == 1.0
+
+
+def test_compare_stream_variants(monkeypatch):
+    """--compare-stream: the engine's even rule, the stream split at 1 / 2 / 4 waves, and one wave sized by other
+    residencies (the module constant set for that variant only)."""
+    import rollout.kernels.paged_decode as pd
+
+    kb = load_bench("kernels_bench", "bench_kernels_stream")
+    monkeypatch.setattr(pd, "num_sms", lambda device: 132)
+    args = argparse.Namespace(compare_stream=True, compare_even=False, compare_legacy=False, sweep_splits=False,
+                              swap_ab=False, sweep_fp8=False, sweep_decode=False)
+    fp8 = {v["variant"]: v for v in kb.decode_variants(args, 256, 2, 128, "fp8")}
+    bf16 = {v["variant"]: v for v in kb.decode_variants(args, 256, 2, 128, "bf16")}
+    assert fp8["even"]["even_lengths"] and [fp8[f"stream_w{w}"]["stream_waves"] for w in (1, 2, 4)] == [1, 2, 4]
+    assert bf16["stream_w1_ps5"]["knobs"] == {"PROGRAMS_PER_SM": 5} and "stream_w1_ps6" in bf16
+    assert fp8["stream_w1_ps7"]["knobs"] == {"FP8_PROGRAMS_PER_SM": 7} and "stream_w1_ps6" not in fp8
