@@ -122,7 +122,7 @@ UNIFORM_ONE_WAVE = True
 # [1K, 3K]: 0.1298 vs 0.1389 ms), 1.011x / 1.023x on the 16K long tail at B=256 / 128; bf16 0.879x / 0.880x / 0.890x
 # (two waves: 0.970x / 0.994x / 0.987x). Both off until W2 with --decode-knobs STREAM_K_FP8=1 times it in the engine.
 STREAM_K = False
-STREAM_K_FP8 = False
+STREAM_K_FP8 = True
 
 
 @triton.jit
