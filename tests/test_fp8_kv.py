@@ -284,10 +284,10 @@ def check_fp8_errors():
 
 CHECKS = {
     "kv_write_fp8_bitwise": check_kv_write_bitwise,
-    "decode_fp8_balanced_long_tail": lambda: check_decode_fp8(4, 2, 16, 16, long_tail(12, 1500, 7), split_target=12,
+    "decode_fp8_balanced_long_tail": lambda: check_decode_fp8(4, 2, 16, 16, long_tail(12, 800, 7), split_target=12,
                                                               min_chunk=1),
     "decode_fp8_gqa6_fixed_splits": lambda: check_decode_fp8(12, 2, 16, 8, [1, 40, 300], num_splits=3),
-    "decode_fp8_unswapped_long_tail": lambda: check_decode_fp8(12, 2, 16, 16, long_tail(12, 1500, 7), split_target=12,
+    "decode_fp8_unswapped_long_tail": lambda: check_decode_fp8(12, 2, 16, 16, long_tail(12, 800, 7), split_target=12,
                                                                min_chunk=1, swap_ab=False),
     "decode_fp8_unswapped_bf16_queries_tiny_v": lambda: check_decode_fp8(6, 2, 32, 16, [7, 260, 45],
                                                                          q_dtype=torch.bfloat16, tol=2e-2,
@@ -297,12 +297,12 @@ CHECKS = {
     "decode_fp8_fp16_queries": lambda: check_decode_fp8(4, 2, 32, 16, [7, 260], q_dtype=torch.float16, tol=1e-2),
     "decode_fp8_bf16_queries_tiny_v": lambda: check_decode_fp8(6, 2, 32, 16, [7, 260, 45], q_dtype=torch.bfloat16,
                                                                tol=2e-2, v_scale=1e-5, split_target=4),
-    "decode_fp8_swap_ab_long_tail": lambda: check_decode_fp8(12, 2, 16, 16, long_tail(12, 1500, 7), split_target=12,
+    "decode_fp8_swap_ab_long_tail": lambda: check_decode_fp8(12, 2, 16, 16, long_tail(12, 800, 7), split_target=12,
                                                              min_chunk=1, swap_ab=True),
     "decode_fp8_swap_ab_bf16_queries_tiny_v": lambda: check_decode_fp8(6, 2, 32, 16, [7, 260, 45], window=100,
                                                                        q_dtype=torch.bfloat16, tol=2e-2, v_scale=1e-5,
                                                                        split_target=4, swap_ab=True),
-    "decode_fp8_v_pages_long_tail": lambda: check_decode_fp8(12, 2, 16, 16, long_tail(12, 1500, 7), split_target=12,
+    "decode_fp8_v_pages_long_tail": lambda: check_decode_fp8(12, 2, 16, 16, long_tail(12, 800, 7), split_target=12,
                                                              min_chunk=1, swap_ab=True, v_pages=True),
     "decode_fp8_v_pages_page8_bf16_queries_window": lambda: check_decode_fp8(
         6, 2, 32, 8, [7, 260, 45, 1000], q_dtype=torch.bfloat16, tol=1e-2, window=300, split_target=5, swap_ab=True,

@@ -27,7 +27,9 @@ from tests.serve_helpers import Server
 from trainer_hooks.client import RolloutClient, ServerError
 
 KEY = "s3cret-key"
-LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{{ i }}{% endfor %}{% endfor %}"  # 106 bytes
+# 80 bytes that would loop 10^10 times; they write nothing, so only the time limit stops them (with `{{ i }}` in
+# the loop a fast box hit the memory limit first and the test failed)
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 
 
 @pytest.fixture(scope="module")
