@@ -156,10 +156,11 @@ def decode_variants(args, batch: int, hkv: int, max_tiles: int, kv: str = "bf16"
     if getattr(args, "compare_stream", False):  # the stream split: runs across sequences, 1-4 waves of programs
         out.append(dict(variant="even", even_lengths=True, plan=True))  # what the engine runs for even lengths
         out += [dict(variant=f"stream_w{w}", stream=True, stream_waves=w, plan=True) for w in (1, 2, 4)]
-        # one wave sized by other residencies (bench/kernel_sass.py: 5 bf16 programs an SM, not PROGRAMS_PER_SM = 4)
-        name = "FP8_PROGRAMS_PER_SM" if kv == "fp8" else "PROGRAMS_PER_SM"
+        # one wave sized by other residencies (fp8: 6 resident programs an SM; bf16's wave: 6, bench/kernel_sass.py
+        # counts 5 resident)
+        name = "FP8_PROGRAMS_PER_SM" if kv == "fp8" else "STREAM_PROGRAMS_PER_SM"
         out += [dict(variant=f"stream_w1_ps{n}", stream=True, stream_waves=1, plan=True, knobs={name: n})
-                for n in ((5, 7) if kv == "fp8" else (5, 6))]
+                for n in ((5, 7) if kv == "fp8" else (4, 5))]
     if args.sweep_splits:
         out += [dict(variant="fixed", num_splits=s) for s in (1, 2, 4, 8, 16, 32, 64)]
     if args.swap_ab:  # the products swapped (key tile as M): default tile, then a few others

@@ -120,9 +120,19 @@ UNIFORM_ONE_WAVE = True
 # 16-bit caches, STREAM_K_FP8 for fp8. H100 at 3de8f38, qwen2.5-1.5b (bench/results/h100_2026-12-07c_kernels_stream_
 # 3de8f38.jsonl), one wave against the engine's rule: fp8 1.070x faster on W2's 256-sequence steps (even lengths in
 # [1K, 3K]: 0.1298 vs 0.1389 ms), 1.011x / 1.023x on the 16K long tail at B=256 / 128; bf16 0.879x / 0.880x / 0.890x
-# (two waves: 0.970x / 0.994x / 0.987x). Both off until W2 with --decode-knobs STREAM_K_FP8=1 times it in the engine.
+# (two waves: 0.970x / 0.994x / 0.987x). In the engine, W2 with fp8 KV on it (H100, 263f594, --decode-knobs
+# STREAM_K_FP8=1): 21,419 tok/s against 20,115 on the even rule (2220a74), 1.433x bf16 in the same run (bar 1.3x;
+# bench/results/h100_2026-12-07d_w2_streamfp8_263f594.jsonl), so fp8 takes it. bf16 stays on its rules: W1 with
+# STREAM_K=1 at 4 programs an SM ran 0.789 of the floor against 0.879 (h100_2026-12-07d_w1_streambf16_4739d05).
 STREAM_K = False
 STREAM_K_FP8 = True
+# Programs per SM of a 16-bit cache's stream wave (an fp8 cache's is FP8_PROGRAMS_PER_SM). bench/kernel_sass.py
+# counts 5 resident bf16 programs; one wave of 6 an SM was the fastest bf16 variant of every shape timed (H100,
+# 4739d05, h100_2026-12-07d_kernels_stream_4739d05.jsonl): W2's 256-sequence steps (even [1K, 3K]) 0.2075 ms
+# against 0.2376 at 4 and 0.2091 for the even rule; the 16K long tail at B=256 / 128 0.4105 / 0.2410 against the
+# rule's 0.4163 / 0.2458. A program that waits on memory leaves its slot to the next, so a sixth queued program an
+# SM fills the gaps the fifth's tail leaves. Untimed in the engine: STREAM_K stays off.
+STREAM_PROGRAMS_PER_SM = 6
 
 
 @triton.jit
@@ -685,7 +695,8 @@ def paged_decode_attention(
     if stream and num_splits is None:
         from rollout.kernels import paged_decode_stream as ps
 
-        programs = ps.stream_programs(hkv, num_sms(q.device), resident_programs(ptrs[0].dtype), stream_waves)
+        per_sm = FP8_PROGRAMS_PER_SM if consts["KV_FP8"] else STREAM_PROGRAMS_PER_SM
+        programs = ps.stream_programs(hkv, num_sms(q.device), per_sm, stream_waves)
         return ps.decode_stream(
             q, ptrs, strides, consts, block_tables, seq_lens, out, scale * LOG2E, window, programs, min_chunk, plans,
             config, swap_ab, v_pages, dot_precision(q), g_pad, _decode_reduce_kernel, S_BLOCK,

@@ -25,9 +25,10 @@ The grid and buffers depend only on the batch size, so a CUDA graph per batch si
 The plan (each program's first sequence and run, each sequence's partial rows) is one small kernel per step,
 kept in the step's ``plans`` dict for every layer with the same tile and window.
 
-Off by default (``paged_decode.STREAM_K`` for 16-bit caches, ``STREAM_K_FP8`` for fp8). On an H100 the kernel is
-faster than the engine's rules for fp8 at every W2 shape timed (1.01-1.07x) and slower for bf16 at one wave (0.88x):
-paged_decode.py has the numbers; W2 with ``--decode-knobs STREAM_K_FP8=1`` decides the fp8 default in the engine.
+On for fp8 caches (``paged_decode.STREAM_K_FP8``), off for 16-bit ones (``STREAM_K``). On an H100 the kernel is
+faster than the engine's rules for fp8 at every W2 shape timed (1.01-1.07x), and W2 with fp8 KV ran 1.433x bf16
+with it; for bf16 a wave of 6 programs an SM (``STREAM_PROGRAMS_PER_SM``) beat the rules by 1-2% in the kernel
+bench, untimed in the engine. paged_decode.py has the numbers.
 """
 
 from __future__ import annotations
