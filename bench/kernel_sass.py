@@ -70,7 +70,8 @@ def capture_launch(kv: str, hq: int, hkv: int, d: int, page: int, batch: int, sw
     if config:
         pd.decode_config = lambda *_: config if len(config) == 4 else (*config, None)
     try:
-        pd.paged_decode_attention(q, cache, tables, lens, 0.1, kv_scales=scales, swap_ab=swap_ab)
+        # the chunked split kernel (fp8's default decode is the stream split, a kernel of its own)
+        pd.paged_decode_attention(q, cache, tables, lens, 0.1, kv_scales=scales, swap_ab=swap_ab, stream=False)
     except _Captured:
         pass
     finally:

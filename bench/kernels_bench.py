@@ -198,6 +198,7 @@ def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: to
         keys = ("num_splits", "split_target", "fused_merge", "swap_ab", "v_pages", "even_lengths", "fixed_min_chunk",
                 "stream", "stream_waves")
         kw = {k: var[k] for k in keys if k in var}
+        kw.setdefault("stream", False)  # the chunked rules by name (fp8's engine default is stream_w1)
         planned = var.get("plan", False)
         if "config" in var:
             pd.decode_config = lambda *_, c=var["config"]: c  # bench-only override of the tile choice

@@ -174,8 +174,11 @@ def check_decode_fp8(hq, hkv, d, page, seq_lens, window=None, q_dtype=torch.floa
                      **kw):  # fmt: skip
     """16-bit queries take the fp16 product path; ``v_scale`` makes V tiny (its scales near fp16's
     subnormals: the kernel must scale P's columns relative to the tile, not absolutely). ``tol`` is
-    relative to ``v_scale``."""
+    relative to ``v_scale``. The chunked splits (fp8's default decode, the stream split, has its checks in
+    test_decode_stream.py)."""
     from rollout.kernels.paged_decode import paged_decode_attention
+
+    kw.setdefault("stream", False)
 
     q, _, values, scales, meta = fp8_scenario([1] * len(seq_lens), seq_lens, hq, hkv, d, page, v_scale=v_scale)
     q = q.to(q_dtype)
@@ -222,8 +225,9 @@ def check_decode_fp8_even_split():
     block_n = pd.decode_config(16, 16, values[0].dtype)[0]
     tiles, sms = -(-meta.block_tables.shape[1] * 16 // block_n), pd.num_sms(q.device)
     # one wave and no minimum chunk: the count alone, which the resident programs decide
-    old = pd.EVEN_WAVES, pd.EVEN_MIN_CHUNK_TILES, pd.FP8_EVEN_MIN_CHUNK_TILES
-    pd.EVEN_WAVES, pd.EVEN_MIN_CHUNK_TILES, pd.FP8_EVEN_MIN_CHUNK_TILES = 1, 0, 0
+    # the even rule, not the stream split fp8 takes by default
+    old = pd.EVEN_WAVES, pd.EVEN_MIN_CHUNK_TILES, pd.FP8_EVEN_MIN_CHUNK_TILES, pd.STREAM_K_FP8
+    pd.EVEN_WAVES, pd.EVEN_MIN_CHUNK_TILES, pd.FP8_EVEN_MIN_CHUNK_TILES, pd.STREAM_K_FP8 = 1, 0, 0, False
     try:
         fp8 = pd.choose_num_splits(4, 2, tiles, sms, pd.resident_programs(values[0].dtype))
         bf16 = pd.choose_num_splits(4, 2, tiles, sms, pd.resident_programs(torch.bfloat16))
@@ -234,13 +238,13 @@ def check_decode_fp8_even_split():
         out = pd.paged_decode_attention(q, values, meta.block_tables, meta.seq_lens, SCALE, kv_scales=scales,
                                         plans=plans, even_lengths=True)
     finally:
-        pd.EVEN_WAVES, pd.EVEN_MIN_CHUNK_TILES, pd.FP8_EVEN_MIN_CHUNK_TILES = old
+        pd.EVEN_WAVES, pd.EVEN_MIN_CHUNK_TILES, pd.FP8_EVEN_MIN_CHUNK_TILES, pd.STREAM_K_FP8 = old
     assert torch.equal(out, want), "fp8's even split must be sized for its own resident programs"
     # the fused merge on the even path keeps its zeroed counters in the step's dict (one set for every layer)
     old, pd.FUSED_MERGE = pd.FUSED_MERGE, True
     try:
         again = pd.paged_decode_attention(q, values, meta.block_tables, meta.seq_lens, SCALE, kv_scales=scales,
-                                          plans=plans, even_lengths=True)
+                                          plans=plans, even_lengths=True, stream=False)
         assert_close(again, want, 1e-5)
     finally:
         pd.FUSED_MERGE = old
@@ -266,7 +270,7 @@ def check_decode_fp8_even_min_chunk():
         want = pd.paged_decode_attention(q, values, meta.block_tables, meta.seq_lens, SCALE, kv_scales=scales,
                                          num_splits=n, fixed_min_chunk=2, fixed_min_splits=floor)
         out = pd.paged_decode_attention(q, values, meta.block_tables, meta.seq_lens, SCALE, kv_scales=scales,
-                                        plans={}, even_lengths=True)
+                                        plans={}, even_lengths=True, stream=False)
     finally:
         pd.EVEN_MIN_CHUNK_TILES, pd.FP8_EVEN_MIN_CHUNK_TILES = old
     assert torch.equal(out, want), "fp8's even split must take FP8_EVEN_MIN_CHUNK_TILES"
