@@ -9,6 +9,7 @@
 # Stages:
 #   even     the even-lengths split (fixed chunks per batch size): which count is fastest per dtype and batch
 #   stream   the stream split (one wave of programs streaming equal runs across sequences) vs the engine's rules
+#   w1_stream  the same at W1's decode shape (llama3-8b, B=32, uniform lengths to 2K / 4K / 8K, ~1 min)
 #   even_short  the same at W2's 256-sequence steps (lengths in [1K, 3K])
 #   gemm     the decode linears, cuBLAS vs a split-K Triton kernel (bench/gemm_bench.py, ~3 min)
 #   kernels  decode kernels at W2's shapes: balanced / planned / planned_all_waves (the one-wave cut of even
@@ -80,6 +81,14 @@ for stage in "$@"; do
       timeout 120 python3 bench/kernels_bench.py --preset qwen2.5-1.5b --lengths even --batches 256 \
         --ctxs 3072 --kv bf16,fp8 --no-prefill --compare-stream >> "$OUT/kernels_stream.jsonl" 2>> "$OUT/stream.err"
       tail -3 "$OUT/stream.err"; summary "$OUT/kernels_stream.jsonl" ;;
+    w1_stream)
+      # W1's decode shape (llama3-8b, 32 equal sequences): the uniform rule (one wave's equal chunks) against the
+      # stream split at 1 / 2 / 4 waves and 4 / 5 an SM (its default 6), and fixed counts 1-64 (~1 min); W1 with
+      # STREAM_K=1 at 4 an SM ran 0.789 of the floor against the uniform rule's 0.879 (H100, 4739d05)
+      timeout 150 python3 bench/kernels_bench.py --preset llama3-8b --lengths uniform --batches 32 \
+        --ctxs 2048,4096,8192 --kv bf16 --no-prefill --compare-stream --sweep-splits > "$OUT/kernels_w1_stream.jsonl" \
+        2> "$OUT/w1_stream.err"
+      tail -3 "$OUT/w1_stream.err"; summary "$OUT/kernels_w1_stream.jsonl" ;;
     even_short)
       # W2's 256-sequence steps (a quarter of its decode time, mean context ~2K: bench/w2_lengths.py): the same
       # comparison at lengths in [1K, 3K], where fp8 ran 3.9% faster with 4-tile chunks than with 8-tile ones (~2 min)

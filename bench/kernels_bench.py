@@ -155,6 +155,8 @@ def decode_variants(args, batch: int, hkv: int, max_tiles: int, kv: str = "bf16"
         out += [dict(variant="fixed", num_splits=s) for s in (1, 2, 3, 4, 6, 8, 12, 16)]
     if getattr(args, "compare_stream", False):  # the stream split: runs across sequences, 1-4 waves of programs
         out.append(dict(variant="even", even_lengths=True, plan=True))  # what the engine runs for even lengths
+        if getattr(args, "lengths", None) == "uniform":  # W1's steps: one wave's equal chunks (UNIFORM_ONE_WAVE)
+            out.append(dict(variant="uniform", even_lengths=2, plan=True))
         out += [dict(variant=f"stream_w{w}", stream=True, stream_waves=w, plan=True) for w in (1, 2, 4)]
         # one wave sized by other residencies (fp8: 6 resident programs an SM; bf16's wave: 6, bench/kernel_sass.py
         # counts 5 resident)

@@ -63,3 +63,7 @@ def test_compare_stream_variants(monkeypatch):
     assert fp8["even"]["even_lengths"] and [fp8[f"stream_w{w}"]["stream_waves"] for w in (1, 2, 4)] == [1, 2, 4]
     assert bf16["stream_w1_ps5"]["knobs"] == {"STREAM_PROGRAMS_PER_SM": 5} and "stream_w1_ps4" in bf16
     assert fp8["stream_w1_ps7"]["knobs"] == {"FP8_PROGRAMS_PER_SM": 7} and "stream_w1_ps6" not in fp8
+    assert "uniform" not in bf16  # long-tail and even lengths: no uniform rule to time
+    args.lengths = "uniform"  # W1's shape (w1_stream): the rule its steps take, one wave's equal chunks
+    uniform = {v["variant"]: v for v in kb.decode_variants(args, 32, 8, 128, "bf16")}
+    assert uniform["uniform"]["even_lengths"] == 2 and uniform["uniform"]["plan"]
