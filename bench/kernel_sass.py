@@ -42,9 +42,11 @@ class _Captured(Exception):
 
 
 def capture_launch(kv: str, hq: int, hkv: int, d: int, page: int, batch: int, swap_ab: bool | None,
-                   config: tuple | None = None) -> dict:
-    """The positional arguments and keywords ``paged_decode_attention`` passes to the split kernel."""
+                   config: tuple | None = None, stream: bool = False) -> dict:
+    """The positional arguments and keywords ``paged_decode_attention`` passes to the chunked split kernel, or
+    with ``stream`` to the stream split's (its plan kernel skipped: a zero plan stands in)."""
     import rollout.kernels.paged_decode as pd
+    import rollout.kernels.paged_decode_stream as ps
     from rollout.layers.kv_quant import fp8_block_bytes, fp8_views
 
     nb = 64
@@ -66,16 +68,19 @@ def capture_launch(kv: str, hq: int, hkv: int, d: int, page: int, batch: int, sw
             return launch
 
     real, real_config = pd._decode_split_kernel, pd.decode_config
-    pd._decode_split_kernel = Grab()
+    real_stream, real_plan = ps._decode_stream_kernel, ps.stream_plan
+    pd._decode_split_kernel, ps._decode_stream_kernel = Grab(), Grab()
+    ps.stream_plan = lambda plans, seq_lens, block_n, window, programs, min_chunk: (
+        torch.zeros((programs, 4), dtype=torch.int32), torch.zeros((seq_lens.shape[0], 2), dtype=torch.int32))
     if config:
         pd.decode_config = lambda *_: config if len(config) == 4 else (*config, None)
     try:
-        # the chunked split kernel (fp8's default decode is the stream split, a kernel of its own)
-        pd.paged_decode_attention(q, cache, tables, lens, 0.1, kv_scales=scales, swap_ab=swap_ab, stream=False)
+        pd.paged_decode_attention(q, cache, tables, lens, 0.1, kv_scales=scales, swap_ab=swap_ab, stream=stream)
     except _Captured:
         pass
     finally:
         pd._decode_split_kernel, pd.decode_config = real, real_config
+        ps._decode_stream_kernel, ps.stream_plan = real_stream, real_plan
     return got
 
 
@@ -169,11 +174,13 @@ def mma_loops(instrs: list[tuple[int, str, str]]) -> list[dict]:
 
 
 def report(kv: str, swap_ab: bool | None, hq: int, hkv: int, d: int, page: int, batch: int,
-           config: tuple | None = None) -> dict:
+           config: tuple | None = None, stream: bool = False) -> dict:
     import triton
 
-    launch = capture_launch(kv, hq, hkv, d, page, batch, swap_ab, config)
-    kernel = compile_sm90(launch)
+    import rollout.kernels.paged_decode_stream as ps
+
+    launch = capture_launch(kv, hq, hkv, d, page, batch, swap_ab, config, stream)
+    kernel = compile_sm90(launch, ps._decode_stream_kernel if stream else None)
     kw = launch["kw"]
     instrs = disassemble(kernel)
     regs = registers(kernel)
@@ -182,6 +189,7 @@ def report(kv: str, swap_ab: bool | None, hq: int, hkv: int, d: int, page: int, 
     main = loops[0] if loops else None
     return {
         "bench": "kernel_sass", "triton": triton.__version__, "target": "sm_90", "kv": kv, "swap_ab": kw["SWAP_AB"],
+        "kernel": "stream" if stream else "split",
 
         "hq": hq, "hkv": hkv, "head_dim": d, "page": page, "block_n": kw["BLOCK_N"], "G_PAD": kw["G_PAD"],
         "num_warps": kw.get("num_warps"), "num_stages": kw.get("num_stages"), "maxnreg": kw.get("maxnreg"),
@@ -204,19 +212,23 @@ def main() -> None:
     p.add_argument("--page", type=int, default=16)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--config", default=None, help="BLOCK_N,num_warps,num_stages[,maxnreg]: the tile to compile")
+    p.add_argument("--kernel", default="split", help="comma list of split (the chunked splits' kernel), stream "
+                   "(the stream split's)")
     p.add_argument("--out", default=None, help="append the JSON lines to this file")
     args = p.parse_args()
     config = tuple(int(x) for x in args.config.split(",")) if args.config else None
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    for kv in args.kv.split(","):
-        for s in args.swap_ab.split(","):
-            swap = None if s == "default" else bool(int(s))
-            rec = report(kv, swap, args.hq, args.hkv, args.head_dim, args.page, args.batch, config)
-            line = json.dumps(rec)
-            print(line, flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(line + "\n")
+    kernels = args.kernel.split(",")
+    if not set(kernels) <= {"split", "stream"}:
+        p.error(f"--kernel takes split and stream; got {args.kernel!r}")
+    for kernel, kv, s in ((k, kv, s) for k in kernels for kv in args.kv.split(",") for s in args.swap_ab.split(",")):
+        swap = None if s == "default" else bool(int(s))
+        rec = report(kv, swap, args.hq, args.hkv, args.head_dim, args.page, args.batch, config, kernel == "stream")
+        line = json.dumps(rec)
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
 
 
 if __name__ == "__main__":

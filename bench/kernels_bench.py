@@ -158,11 +158,14 @@ def decode_variants(args, batch: int, hkv: int, max_tiles: int, kv: str = "bf16"
         if getattr(args, "lengths", None) == "uniform":  # W1's steps: one wave's equal chunks (UNIFORM_ONE_WAVE)
             out.append(dict(variant="uniform", even_lengths=2, plan=True))
         out += [dict(variant=f"stream_w{w}", stream=True, stream_waves=w, plan=True) for w in (1, 2, 4)]
-        # one wave sized by other residencies (fp8: 6 resident programs an SM; bf16's wave: 6, bench/kernel_sass.py
-        # counts 5 resident)
+        # one wave sized by other residencies (fp8: 6 resident programs an SM; bf16's stream kernel: 3 at its 153
+        # registers, so its default 6 is two waves; capped at 128 / 96 registers: 4 / 5 resident)
         name = "FP8_PROGRAMS_PER_SM" if kv == "fp8" else "STREAM_PROGRAMS_PER_SM"
         out += [dict(variant=f"stream_w1_ps{n}", stream=True, stream_waves=1, plan=True, knobs={name: n})
-                for n in ((5, 7) if kv == "fp8" else (4, 5))]
+                for n in ((5, 7) if kv == "fp8" else (3, 4, 5))]
+        if kv != "fp8":
+            out += [dict(variant=f"stream_r{r}_ps{n}", stream=True, stream_waves=1, plan=True,
+                         knobs={"STREAM_MAXNREG": r, name: n}) for r, n in ((128, 4), (128, 8), (96, 5), (96, 10))]
     if args.sweep_splits:
         out += [dict(variant="fixed", num_splits=s) for s in (1, 2, 4, 8, 16, 32, 64)]
     if args.swap_ab:  # the products swapped (key tile as M): default tile, then a few others

@@ -673,7 +673,8 @@ def build_parser() -> argparse.ArgumentParser:
 DECODE_KNOBS = ("V_PAGES", "FUSED_MERGE", "DECODE_WAVES", "MIN_CHUNK_TILES", "PROGRAMS_PER_SM", "FP8_DECODE_MAXNREG",
                 "EVEN_FIXED_SPLIT", "FUSED_ROPE", "FP8_PROGRAMS_PER_SM", "EVEN_WAVES", "EVEN_MAX_SPLITS",
                 "EVEN_MIN_CHUNK_TILES", "EVEN_MIN_ROWS", "FP8_EVEN_MIN_CHUNK_TILES",
-                "UNIFORM_ONE_WAVE", "STREAM_K", "STREAM_K_FP8", "STREAM_WAVES", "STREAM_PROGRAMS_PER_SM")
+                "UNIFORM_ONE_WAVE", "STREAM_K", "STREAM_K_FP8", "STREAM_WAVES", "STREAM_PROGRAMS_PER_SM",
+                "STREAM_MAXNREG")
 
 
 def parse_decode_knobs(text: str) -> dict[str, int]:

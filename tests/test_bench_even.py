@@ -61,7 +61,9 @@ def test_compare_stream_variants(monkeypatch):
     fp8 = {v["variant"]: v for v in kb.decode_variants(args, 256, 2, 128, "fp8")}
     bf16 = {v["variant"]: v for v in kb.decode_variants(args, 256, 2, 128, "bf16")}
     assert fp8["even"]["even_lengths"] and [fp8[f"stream_w{w}"]["stream_waves"] for w in (1, 2, 4)] == [1, 2, 4]
-    assert bf16["stream_w1_ps5"]["knobs"] == {"STREAM_PROGRAMS_PER_SM": 5} and "stream_w1_ps4" in bf16
+    assert bf16["stream_w1_ps5"]["knobs"] == {"STREAM_PROGRAMS_PER_SM": 5} and "stream_w1_ps3" in bf16
+    assert bf16["stream_r96_ps5"]["knobs"] == {"STREAM_MAXNREG": 96, "STREAM_PROGRAMS_PER_SM": 5}
+    assert not any(name.startswith("stream_r") for name in fp8)  # fp8's kernel has its registers (168)
     assert fp8["stream_w1_ps7"]["knobs"] == {"FP8_PROGRAMS_PER_SM": 7} and "stream_w1_ps6" not in fp8
     assert "uniform" not in bf16  # long-tail and even lengths: no uniform rule to time
     args.lengths = "uniform"  # W1's shape (w1_stream): the rule its steps take, one wave's equal chunks

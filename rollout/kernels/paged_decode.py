@@ -126,13 +126,17 @@ UNIFORM_ONE_WAVE = True
 # STREAM_K=1 at 4 programs an SM ran 0.789 of the floor against 0.879 (h100_2026-12-07d_w1_streambf16_4739d05).
 STREAM_K = False
 STREAM_K_FP8 = True
-# Programs per SM of a 16-bit cache's stream wave (an fp8 cache's is FP8_PROGRAMS_PER_SM). bench/kernel_sass.py
-# counts 5 resident bf16 programs; one wave of 6 an SM was the fastest bf16 variant of every shape timed (H100,
-# 4739d05, h100_2026-12-07d_kernels_stream_4739d05.jsonl): W2's 256-sequence steps (even [1K, 3K]) 0.2075 ms
-# against 0.2376 at 4 and 0.2091 for the even rule; the 16K long tail at B=256 / 128 0.4105 / 0.2410 against the
-# rule's 0.4163 / 0.2458. A program that waits on memory leaves its slot to the next, so a sixth queued program an
-# SM fills the gaps the fifth's tail leaves. Untimed in the engine: STREAM_K stays off.
+# Programs per SM of a 16-bit cache's stream wave (an fp8 cache's is FP8_PROGRAMS_PER_SM). The bf16 stream kernel
+# takes 153 registers a thread where the chunked one takes 96 (bench/kernel_sass.py --kernel split,stream with the
+# device's Triton 3.6): 3 resident programs an SM, not 5. So a wave "of 4" was 1.33 waves, and the fastest bf16
+# variant timed, 6 an SM, is two full waves of 3 (H100, 4739d05, h100_2026-12-07d_kernels_stream_4739d05.jsonl):
+# W2's 256-sequence steps (even [1K, 3K]) 0.2075 ms against 0.2376 at 4 and 0.2091 for the even rule; the 16K long
+# tail at B=256 / 128 0.4105 / 0.2410 against the rule's 0.4163 / 0.2458. Untimed in the engine: STREAM_K stays off.
 STREAM_PROGRAMS_PER_SM = 6
+# Registers per thread the 16-bit stream kernel may take (0: as many as it wants, 153). 128 fits 4 programs an SM
+# (4 spill loads in its key-tile loop), 96 fits 5 (5 spill loads); kernels_bench --compare-stream times both
+# against the uncapped kernel's 2 waves of 3.
+STREAM_MAXNREG = 0
 
 
 @triton.jit
@@ -697,6 +701,8 @@ def paged_decode_attention(
 
         per_sm = FP8_PROGRAMS_PER_SM if consts["KV_FP8"] else STREAM_PROGRAMS_PER_SM
         programs = ps.stream_programs(hkv, num_sms(q.device), per_sm, stream_waves)
+        if STREAM_MAXNREG and not consts["KV_FP8"]:
+            config = (block_n, warps, stages, STREAM_MAXNREG)
         return ps.decode_stream(
             q, ptrs, strides, consts, block_tables, seq_lens, out, scale * LOG2E, window, programs, min_chunk, plans,
             config, swap_ab, v_pages, dot_precision(q), g_pad, _decode_reduce_kernel, S_BLOCK,
