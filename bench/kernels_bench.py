@@ -166,6 +166,11 @@ def decode_variants(args, batch: int, hkv: int, max_tiles: int, kv: str = "bf16"
         if kv != "fp8":
             out += [dict(variant=f"stream_r{r}_ps{n}", stream=True, stream_waves=1, plan=True,
                          knobs={"STREAM_MAXNREG": r, name: n}) for r, n in ((128, 4), (128, 8), (96, 5), (96, 10))]
+            # other tiles (kernel_sass with Triton 3.6): 32 keys x 4 warps at 96 registers holds 5 an SM; 64 x 8
+            # warps at 108 holds 2 (16 warps)
+            out += [dict(variant=f"stream_c{c[0]}w{c[1]}_ps{n}", stream=True, stream_waves=1, plan=True, config=c,
+                         knobs={name: n}) for c, n in (((32, 4, 2, None), 5), ((32, 4, 2, None), 10),
+                                                       ((64, 8, 2, None), 2), ((64, 8, 2, None), 4))]
     if args.sweep_splits:
         out += [dict(variant="fixed", num_splits=s) for s in (1, 2, 4, 8, 16, 32, 64)]
     if args.swap_ab:  # the products swapped (key tile as M): default tile, then a few others

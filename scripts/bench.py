@@ -674,7 +674,7 @@ DECODE_KNOBS = ("V_PAGES", "FUSED_MERGE", "DECODE_WAVES", "MIN_CHUNK_TILES", "PR
                 "EVEN_FIXED_SPLIT", "FUSED_ROPE", "FP8_PROGRAMS_PER_SM", "EVEN_WAVES", "EVEN_MAX_SPLITS",
                 "EVEN_MIN_CHUNK_TILES", "EVEN_MIN_ROWS", "FP8_EVEN_MIN_CHUNK_TILES",
                 "UNIFORM_ONE_WAVE", "STREAM_K", "STREAM_K_FP8", "STREAM_WAVES", "STREAM_PROGRAMS_PER_SM",
-                "STREAM_MAXNREG")
+                "STREAM_MAXNREG", "STREAM_BLOCK_N", "STREAM_WARPS")
 
 
 def parse_decode_knobs(text: str) -> dict[str, int]:

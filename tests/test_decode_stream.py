@@ -129,19 +129,20 @@ def check_stream_switch():
 def check_stream_switch_per_cache_kind():
     """STREAM_K_FP8 routes fp8 caches only, STREAM_K 16-bit ones only; each kind's wave is its own programs per SM
     (FP8_PROGRAMS_PER_SM, STREAM_PROGRAMS_PER_SM) times the SMs (4 in the interpreter) over the kv heads, and
-    STREAM_MAXNREG caps the 16-bit kernel's registers (fp8's keep FP8_DECODE_MAXNREG)."""
+    STREAM_MAXNREG / STREAM_BLOCK_N / STREAM_WARPS set the 16-bit kernel's tile (fp8's keeps decode_config's)."""
     import rollout.kernels.paged_decode as pd
     import rollout.kernels.paged_decode_stream as ps
 
     q, _, values, scales, meta = fp8_scenario([1] * 3, [7, 260, 45], 4, 2, 16, 16)
     q16, cache, meta16 = scenario([1] * 3, [7, 260, 45], 4, 2, 16, 16)
     calls, stream = [], ps.decode_stream
-    programs, regs = [], []  # decode_stream's programs per kv head and its tile's register cap, call by call
+    programs, configs = [], []  # decode_stream's programs per kv head and its tile, call by call
     ps.decode_stream = lambda *a, **kw: (calls.append(a[1][0].dtype) or programs.append(a[9])
-                                         or regs.append(a[12][3]) or stream(*a, **kw))  # fmt: skip
-    old = pd.STREAM_K, pd.STREAM_K_FP8, pd.STREAM_PROGRAMS_PER_SM, pd.STREAM_MAXNREG
+                                         or configs.append(a[12]) or stream(*a, **kw))  # fmt: skip
+    knobs = ("STREAM_K", "STREAM_K_FP8", "STREAM_PROGRAMS_PER_SM", "STREAM_MAXNREG", "STREAM_BLOCK_N", "STREAM_WARPS")
+    old = {name: getattr(pd, name) for name in knobs}
     try:
-        pd.STREAM_PROGRAMS_PER_SM, pd.STREAM_MAXNREG = 5, 96
+        pd.STREAM_PROGRAMS_PER_SM, pd.STREAM_MAXNREG, pd.STREAM_BLOCK_N, pd.STREAM_WARPS = 5, 96, 32, 2
         pd.STREAM_K, pd.STREAM_K_FP8 = False, True
         ref = reference_attention(q, values, meta, SCALE, None, scales)
         assert_close(pd.paged_decode_attention(q, values, meta.block_tables, meta.seq_lens, SCALE, kv_scales=scales),
@@ -150,12 +151,15 @@ def check_stream_switch_per_cache_kind():
         assert calls == [torch.float8_e4m3fn], calls
         pd.STREAM_K, pd.STREAM_K_FP8 = True, False
         pd.paged_decode_attention(q, values, meta.block_tables, meta.seq_lens, SCALE, kv_scales=scales)
-        pd.paged_decode_attention(q16, cache, meta16.block_tables, meta16.seq_lens, SCALE)
+        assert_close(pd.paged_decode_attention(q16, cache, meta16.block_tables, meta16.seq_lens, SCALE),
+                     reference_attention(q16, cache, meta16, SCALE), 1e-4)  # on the knobs' tile
         assert calls == [torch.float8_e4m3fn, torch.float32], calls
         assert programs == [pd.FP8_PROGRAMS_PER_SM * 4 // 2, 5 * 4 // 2], programs
-        assert regs == [pd.FP8_DECODE_MAXNREG, 96], regs  # STREAM_MAXNREG caps the 16-bit kernel only
+        # the STREAM_ tile knobs move the 16-bit kernel only
+        assert configs == [pd.decode_config(16, 16, torch.float8_e4m3fn), (32, 2, 2, 96)], configs
     finally:
-        pd.STREAM_K, pd.STREAM_K_FP8, pd.STREAM_PROGRAMS_PER_SM, pd.STREAM_MAXNREG = old
+        for name, value in old.items():
+            setattr(pd, name, value)
         ps.decode_stream = stream
 
 

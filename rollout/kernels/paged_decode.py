@@ -137,6 +137,11 @@ STREAM_PROGRAMS_PER_SM = 6
 # (4 spill loads in its key-tile loop), 96 fits 5 (5 spill loads); kernels_bench --compare-stream times both
 # against the uncapped kernel's 2 waves of 3.
 STREAM_MAXNREG = 0
+# The 16-bit stream kernel's key tile and warps (0: decode_config's, 64 keys and 4 warps; a tile never smaller
+# than a page). 32 keys x 4 warps takes 96 registers (5 an SM), 64 x 8 warps 108 (2 an SM, 16 warps):
+# kernels_bench --compare-stream's stream_c* variants time them.
+STREAM_BLOCK_N = 0
+STREAM_WARPS = 0
 
 
 @triton.jit
@@ -701,8 +706,9 @@ def paged_decode_attention(
 
         per_sm = FP8_PROGRAMS_PER_SM if consts["KV_FP8"] else STREAM_PROGRAMS_PER_SM
         programs = ps.stream_programs(hkv, num_sms(q.device), per_sm, stream_waves)
-        if STREAM_MAXNREG and not consts["KV_FP8"]:
-            config = (block_n, warps, stages, STREAM_MAXNREG)
+        if not consts["KV_FP8"]:
+            config = (max(STREAM_BLOCK_N, page) if STREAM_BLOCK_N else block_n, STREAM_WARPS or warps, stages,
+                      STREAM_MAXNREG or (maxnreg[0] if maxnreg else None))
         return ps.decode_stream(
             q, ptrs, strides, consts, block_tables, seq_lens, out, scale * LOG2E, window, programs, min_chunk, plans,
             config, swap_ab, v_pages, dot_precision(q), g_pad, _decode_reduce_kernel, S_BLOCK,
