@@ -171,6 +171,10 @@ def decode_variants(args, batch: int, hkv: int, max_tiles: int, kv: str = "bf16"
             out += [dict(variant=f"stream_c{c[0]}w{c[1]}_ps{n}", stream=True, stream_waves=1, plan=True, config=c,
                          knobs={name: n}) for c, n in (((32, 4, 2, None), 5), ((32, 4, 2, None), 10),
                                                        ((64, 8, 2, None), 2), ((64, 8, 2, None), 4))]
+        else:  # fp8's stream kernel reloads 13 spilled values in its loops at 168 registers (none at 32 keys; 8 at
+            # 200 registers, 5 an SM)
+            out += [dict(variant=f"stream_c{c[0]}r{c[3]}_ps{n}", stream=True, stream_waves=1, plan=True, config=c,
+                         knobs={name: n}) for c, n in (((32, 2, 3, 168), 6), ((64, 2, 3, 200), 5))]
     if args.sweep_splits:
         out += [dict(variant="fixed", num_splits=s) for s in (1, 2, 4, 8, 16, 32, 64)]
     if args.swap_ab:  # the products swapped (key tile as M): default tile, then a few others
