@@ -67,11 +67,12 @@ def capture_launch(kv: str, hq: int, hkv: int, d: int, page: int, batch: int, sw
 
             return launch
 
-    real, real_config = pd._decode_split_kernel, pd.decode_config
+    real, real_config, real_sms = pd._decode_split_kernel, pd.decode_config, pd.num_sms
+    pd.num_sms = lambda device: 132  # an H100's or H200's: the launch's program count (and STREAM_SEGS's bound)
     real_stream, real_plan = ps._decode_stream_kernel, ps.stream_plan
     pd._decode_split_kernel, ps._decode_stream_kernel = Grab(), Grab()
-    ps.stream_plan = lambda plans, seq_lens, block_n, window, programs, min_chunk: (
-        torch.zeros((programs, 4), dtype=torch.int32), torch.zeros((seq_lens.shape[0], 2), dtype=torch.int32))
+    ps.stream_plan = lambda plans, seq_lens, block_n, window, programs, min_chunk, segs=0: (
+        torch.zeros((programs, 5), dtype=torch.int32), torch.zeros((seq_lens.shape[0], 2), dtype=torch.int32))
     if config:
         pd.decode_config = lambda *_: config if len(config) == 4 else (*config, None)
     try:
@@ -79,7 +80,7 @@ def capture_launch(kv: str, hq: int, hkv: int, d: int, page: int, batch: int, sw
     except _Captured:
         pass
     finally:
-        pd._decode_split_kernel, pd.decode_config = real, real_config
+        pd._decode_split_kernel, pd.decode_config, pd.num_sms = real, real_config, real_sms
         ps._decode_stream_kernel, ps.stream_plan = real_stream, real_plan
     return got
 
@@ -189,7 +190,7 @@ def report(kv: str, swap_ab: bool | None, hq: int, hkv: int, d: int, page: int, 
     main = loops[0] if loops else None
     return {
         "bench": "kernel_sass", "triton": triton.__version__, "target": "sm_90", "kv": kv, "swap_ab": kw["SWAP_AB"],
-        "kernel": "stream" if stream else "split",
+        "kernel": "stream" if stream else "split", "segs": kw.get("SEGS"),
 
         "hq": hq, "hkv": hkv, "head_dim": d, "page": page, "block_n": kw["BLOCK_N"], "G_PAD": kw["G_PAD"],
         "num_warps": kw.get("num_warps"), "num_stages": kw.get("num_stages"), "maxnreg": kw.get("maxnreg"),
@@ -214,10 +215,16 @@ def main() -> None:
     p.add_argument("--config", default=None, help="BLOCK_N,num_warps,num_stages[,maxnreg]: the tile to compile")
     p.add_argument("--kernel", default="split", help="comma list of split (the chunked splits' kernel), stream "
                    "(the stream split's)")
+    p.add_argument("--stream-segs", type=int, default=None,
+                   help="paged_decode_stream.STREAM_SEGS for --kernel stream (0: the loop over a run's sequences)")
     p.add_argument("--out", default=None, help="append the JSON lines to this file")
     args = p.parse_args()
     config = tuple(int(x) for x in args.config.split(",")) if args.config else None
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    if args.stream_segs is not None:
+        import rollout.kernels.paged_decode_stream as ps
+
+        ps.STREAM_SEGS = args.stream_segs
     kernels = args.kernel.split(",")
     if not set(kernels) <= {"split", "stream"}:
         p.error(f"--kernel takes split and stream; got {args.kernel!r}")

@@ -171,10 +171,19 @@ def decode_variants(args, batch: int, hkv: int, max_tiles: int, kv: str = "bf16"
             out += [dict(variant=f"stream_c{c[0]}w{c[1]}_ps{n}", stream=True, stream_waves=1, plan=True, config=c,
                          knobs={name: n}) for c, n in (((32, 4, 2, None), 5), ((32, 4, 2, None), 10),
                                                        ((64, 8, 2, None), 2), ((64, 8, 2, None), 4))]
+            # the run's sequences unrolled (STREAM_SEGS 4: 116 registers, 4 an SM; capped at 96: 5 an SM, 1 spill
+            # load; 32 keys: 96 registers, 5 an SM)
+            out += [dict(variant=v, stream=True, stream_waves=1, plan=True, knobs={"STREAM_SEGS": 4, **k}, **c)
+                    for v, k, c in (("stream_s4_ps4", {name: 4}, {}),
+                                    ("stream_s4_r96_ps5", {name: 5, "STREAM_MAXNREG": 96}, {}),
+                                    ("stream_s4_c32w4_ps5", {name: 5}, {"config": (32, 4, 2, None)}))]
         else:  # fp8's stream kernel reloads 13 spilled values in its loops at 168 registers (none at 32 keys; 8 at
-            # 200 registers, 5 an SM)
+            # 200 registers, 5 an SM; none with the run's sequences unrolled, STREAM_SEGS, and 5% fewer instructions
+            # a key tile)
             out += [dict(variant=f"stream_c{c[0]}r{c[3]}_ps{n}", stream=True, stream_waves=1, plan=True, config=c,
                          knobs={name: n}) for c, n in (((32, 2, 3, 168), 6), ((64, 2, 3, 200), 5))]
+            out += [dict(variant=f"stream_s{s}", stream=True, stream_waves=1, plan=True, knobs={"STREAM_SEGS": s})
+                    for s in (3, 4)]
     if args.sweep_splits:
         out += [dict(variant="fixed", num_splits=s) for s in (1, 2, 4, 8, 16, 32, 64)]
     if args.swap_ab:  # the products swapped (key tile as M): default tile, then a few others
@@ -192,6 +201,7 @@ def decode_variants(args, batch: int, hkv: int, max_tiles: int, kv: str = "bf16"
 
 def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: torch.dtype, kv: str) -> list[dict]:
     import rollout.kernels.paged_decode as pd
+    import rollout.kernels.paged_decode_stream as ps
 
     lens = {"long-tail": long_tail_lens, "even": even_lens}.get(args.lengths, lambda b, c, seed: [c] * b)(
         batch, ctx, seed=batch)
@@ -216,9 +226,10 @@ def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: to
         planned = var.get("plan", False)
         if "config" in var:
             pd.decode_config = lambda *_, c=var["config"]: c  # bench-only override of the tile choice
-        saved = {name: getattr(pd, name) for name in var.get("knobs", {})}
+        mods = {name: ps if name in ("STREAM_WAVES", "STREAM_SEGS") else pd for name in var.get("knobs", {})}
+        saved = {name: getattr(mods[name], name) for name in mods}
         for name, value in var.get("knobs", {}).items():  # module constants for this variant only
-            setattr(pd, name, value)
+            setattr(mods[name], name, value)
         try:
             calls = [
                 lambda x=x, kw=kw, p=({} if planned else None): pd.paged_decode_attention(  # a plan per input
@@ -230,7 +241,7 @@ def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: to
         finally:
             pd.decode_config = default_config
             for name, value in saved.items():
-                setattr(pd, name, value)
+                setattr(mods[name], name, value)
         rec = {
             "bench": "decode", "preset": args.preset, "dtype": str(dtype).removeprefix("torch."), "kv": kv,
             "lengths": args.lengths, "B": batch, "ctx": ctx, "mean_ctx": round(sum(lens) / batch),

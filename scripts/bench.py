@@ -674,7 +674,7 @@ DECODE_KNOBS = ("V_PAGES", "FUSED_MERGE", "DECODE_WAVES", "MIN_CHUNK_TILES", "PR
                 "EVEN_FIXED_SPLIT", "FUSED_ROPE", "FP8_PROGRAMS_PER_SM", "EVEN_WAVES", "EVEN_MAX_SPLITS",
                 "EVEN_MIN_CHUNK_TILES", "EVEN_MIN_ROWS", "FP8_EVEN_MIN_CHUNK_TILES",
                 "UNIFORM_ONE_WAVE", "STREAM_K", "STREAM_K_FP8", "STREAM_WAVES", "STREAM_PROGRAMS_PER_SM",
-                "STREAM_MAXNREG", "STREAM_BLOCK_N", "STREAM_WARPS")
+                "STREAM_MAXNREG", "STREAM_BLOCK_N", "STREAM_WARPS", "STREAM_SEGS")
 
 
 def parse_decode_knobs(text: str) -> dict[str, int]:
@@ -700,10 +700,10 @@ def apply_decode_knobs(knobs: dict[str, int]) -> None:
         if name == "FUSED_ROPE":  # the Triton backends' rotary fused with the K/V store (its class attribute)
             TritonAttentionBackend.fuses_rope = bool(value)
             continue
-        if name == "STREAM_WAVES":  # the stream split's program count (its own module)
+        if name in ("STREAM_WAVES", "STREAM_SEGS"):  # the stream split's program count and segments (its module)
             import rollout.kernels.paged_decode_stream as ps
 
-            ps.STREAM_WAVES = value
+            setattr(ps, name, value)
             continue
         setattr(pd, name, bool(value) if isinstance(getattr(pd, name), bool) else value)
 

@@ -66,6 +66,8 @@ def test_compare_stream_variants(monkeypatch):
     assert not any(name.startswith("stream_r") for name in fp8)  # fp8's kernel has its registers (168)
     assert bf16["stream_c32w4_ps5"]["config"] == (32, 4, 2, None) and "stream_c64w8_ps2" in bf16
     assert fp8["stream_c32r168_ps6"]["config"] == (32, 2, 3, 168) and "stream_c64r200_ps5" in fp8
+    assert fp8["stream_s4"]["knobs"] == {"STREAM_SEGS": 4}
+    assert bf16["stream_s4_r96_ps5"]["knobs"] == {"STREAM_SEGS": 4, "STREAM_PROGRAMS_PER_SM": 5, "STREAM_MAXNREG": 96}
     assert fp8["stream_w1_ps7"]["knobs"] == {"FP8_PROGRAMS_PER_SM": 7} and "stream_w1_ps6" not in fp8
     assert "uniform" not in bf16  # long-tail and even lengths: no uniform rule to time
     args.lengths = "uniform"  # W1's shape (w1_stream): the rule its steps take, one wave's equal chunks

@@ -212,8 +212,11 @@ def test_decode_knobs_parse_apply_and_refuse(bench, capsys, monkeypatch):
 
     monkeypatch.setattr(pd, "STREAM_K", pd.STREAM_K)
     monkeypatch.setattr(ps, "STREAM_WAVES", ps.STREAM_WAVES)
-    bench.apply_decode_knobs(bench.parse_args(["--decode-knobs", "STREAM_K=1,STREAM_WAVES=2"]).decode_knobs)
-    assert pd.STREAM_K is True and ps.STREAM_WAVES == 2  # the stream split's switch and its waves (its own module)
+    monkeypatch.setattr(ps, "STREAM_SEGS", ps.STREAM_SEGS)
+    knobs = bench.parse_args(["--decode-knobs", "STREAM_K=1,STREAM_WAVES=2,STREAM_SEGS=4"]).decode_knobs
+    bench.apply_decode_knobs(knobs)
+    # the stream split's switch, its waves and its unrolled segments (the last two in its own module)
+    assert pd.STREAM_K is True and ps.STREAM_WAVES == 2 and ps.STREAM_SEGS == 4
     assert ps.stream_programs(2, 132, 6) == 2 * 6 * 132 // 2
     for bad, msg in (("V_PAGE=1", "expected NAME=INT"), ("V_PAGES", "expected NAME=INT"), ("V_PAGES=yes", "integer")):
         with pytest.raises(SystemExit):

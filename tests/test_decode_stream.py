@@ -31,7 +31,7 @@ def runs_crossing(plan: torch.Tensor, seq_lens: list[int], block_n: int) -> int:
     """How many programs' runs hold tiles of more than one sequence."""
     tiles = [-(-s // block_n) for s in seq_lens]
     crossing = 0
-    for b0, before, g0, g1 in plan.tolist():
+    for b0, before, g0, g1, _ in plan.tolist():
         if g1 > g0 and g1 > before + tiles[b0]:
             crossing += 1
     return crossing
@@ -49,7 +49,8 @@ def check_stream_plan_crosses_sequences():
     plan, seq_info = ps.stream_plan(None, seq_lens, block_n, 0, programs=7, min_chunk=1)
     tiles = [-(-s // block_n) for s in lens]
     chunk = -(-sum(tiles) // 7)
-    assert [g0 for *_, g0, _ in plan.tolist()] == [min(p * chunk, sum(tiles)) for p in range(7)]
+    assert [row[2] for row in plan.tolist()] == [min(p * chunk, sum(tiles)) for p in range(7)]
+    assert not plan[:, 4].any(), "no segment bound: no padding (vmin 0)"
     assert plan[-1, 3].item() == sum(tiles), "the runs cover every live tile"
     assert runs_crossing(plan, lens, block_n) >= 3
     rows = set()
@@ -59,6 +60,104 @@ def check_stream_plan_crosses_sequences():
         assert not rows & mine, f"sequence {b}'s partial rows {mine} overlap another's"
         rows |= mine
     assert max(rows) < 7 + len(lens)
+
+
+def tile_ranges(seq_lens: list[int], block_n: int, window: int = 0) -> list[tuple[int, int]]:
+    """paged_decode._tile_range per sequence: its live key tiles [lo, hi)."""
+    return [((max(s - window, 0) // block_n) if window else 0, -(-s // block_n)) for s in seq_lens]
+
+
+def walk_runs(plan: torch.Tensor, ranges: list[tuple[int, int]]) -> tuple[list[int], dict]:
+    """The kernel's walk of every run (_stream_segment, in Python): sequences each run touches, and which
+    programs hold each (sequence, tile)."""
+    touched, owner = [], {}
+    for pid, (b, base, g, g1, vmin) in enumerate(plan.tolist()):
+        n = 0
+        while g < g1 and b < len(ranges):
+            lo, hi = ranges[b]
+            share_end = base + max(hi - lo, vmin)
+            for t in range(lo + g - base, lo + min(g1, base + hi - lo) - base):
+                owner.setdefault((b, t), []).append(pid)
+            g, base, b, n = min(g1, share_end), share_end, b + 1, n + 1
+        touched.append(n)
+    return touched, owner
+
+
+def check_stream_segs_plan_bounds_runs():
+    """STREAM_SEGS's plan: shares of at least vmin keep every run within SEGS sequences (empty sequences, windows,
+    sequences shorter than a run, min_chunk included), every live tile in exactly one run, each sequence's
+    partial rows the programs that hold its tiles."""
+    import rollout.kernels.paged_decode_stream as ps
+
+    block_n = 16
+    cases = [  # (lengths, window, programs, min_chunk)
+        (long_tail(24, 2000, 1), 0, 12, 1),
+        ([1, 0, 3, 700, 0, 0, 17, 2, 900, 5, 0], 0, 9, 1),  # empties and sequences shorter than a run
+        ([40] * 30 + [3000], 0, 11, 1),  # more sequences than programs x (SEGS - 2) / 2
+        ([1, 19, 20, 21, 900, 3, 260], 70, 5, 1),  # windows
+        (long_tail(9, 1500, 2), 0, 8, 6),  # min_chunk above the equal share
+        ([1, 0, 700, 3, 2, 900], 0, 12, 1),  # SEGS 3 (programs > batch)
+    ]
+    for segs in (3, 4, 6):
+        for lens, window, programs, min_chunk in cases:
+            if ps.stream_segs(segs, programs, len(lens)) != segs:
+                continue
+            seq_lens = torch.tensor(lens, dtype=torch.int32)
+            plan, seq_info = ps.stream_plan(None, seq_lens, block_n, window, programs, min_chunk, segs)
+            ranges = tile_ranges(lens, block_n, window)
+            touched, owner = walk_runs(plan, ranges)
+            assert max(touched) <= segs, (segs, lens, touched)
+            live = {(b, t) for b, (lo, hi) in enumerate(ranges) for t in range(lo, hi)}
+            assert set(owner) == live and all(len(p) == 1 for p in owner.values()), (segs, lens)
+            vmin = plan[0, 4].item()
+            assert vmin >= 1 and (plan[:, 4] == vmin).all()
+            for b, (first, n) in enumerate(seq_info.tolist()):
+                pids = sorted({owner[(b, t)][0] for t in range(*ranges[b])})
+                assert n == len(pids) and pids == list(range(pids[0], pids[0] + n)) if pids else n == 0, (b, pids, n)
+                if pids:
+                    assert first == pids[0] + b
+    assert ps.stream_segs(4, 10, 19) == 4 and ps.stream_segs(4, 10, 20) == 0  # programs x (SEGS - 2) > batch
+    for bad in (1, 2, -1):
+        with pytest.raises(ValueError, match="STREAM_SEGS"):
+            ps.stream_segs(bad, 10, 2)
+
+
+def check_stream_segs_outputs():
+    """The unrolled kernel (STREAM_SEGS 3 and 4) equals the reference: long tails, empty sequences, windows,
+    sequences shorter than a run, fp8 with V page by page; a batch too large for the bound takes the loop."""
+    import rollout.kernels.paged_decode_stream as ps
+
+    old = ps.STREAM_SEGS
+    try:
+        for segs in (3, 4):
+            ps.STREAM_SEGS = segs
+            check_stream(4, 2, 16, 16, long_tail(12, 1000, 1), min_chunk=1)
+            check_stream(12, 2, 16, 8, [1, 19, 20, 21, 900, 3], window=150, min_chunk=1)
+            check_stream(4, 2, 16, 8, [40] * 14 + [700], min_chunk=1, stream_waves=2)
+            check_stream_fp8(12, 2, 16, 16, long_tail(9, 800, 7), min_chunk=1, swap_ab=True, v_pages=True)
+            q, cache, meta = scenario([1] * 6, [12, 1, 40, 33, 9, 300], 4, 2, 16, 8)
+            meta.seq_lens[1] = meta.seq_lens[4] = 0
+            out = stream_decode(q, cache, meta, min_chunk=1)
+            assert not out[1].any() and not out[4].any()
+            assert_close(out[[0, 2, 3, 5]], reference_attention(q, cache, meta, SCALE)[[0, 2, 3, 5]], 1e-4)
+        launches, kernel = [], ps._decode_stream_kernel
+
+        class Seen:
+            def __getitem__(self, grid):
+                def launch(*args, **kw):
+                    launches.append((grid[0], kw["SEGS"]))
+                    return kernel[grid](*args, **kw)
+
+                return launch
+
+        ps._decode_stream_kernel, ps.STREAM_SEGS = Seen(), 4
+        # 12 programs a kv head (6 an SM, 4 SMs in the interpreter, 2 kv heads): 12 x (4 - 2) > 5, not > 24
+        check_stream(4, 2, 16, 8, [30] * 5, min_chunk=1)
+        check_stream(4, 2, 16, 8, [30] * 24, min_chunk=1)  # 24 sequences: the loop
+        assert launches == [(12, 4), (12, 0)], launches
+    finally:
+        ps.STREAM_SEGS = old
+        ps._decode_stream_kernel = kernel
 
 
 def check_stream_empty_sequences_zeroed():
@@ -238,6 +337,8 @@ CHECKS = {
     "stream_errors": check_stream_errors,
     "stream_backend_step": check_stream_backend_step,
     "stream_many_seqs_small_scan": check_stream_many_seqs_small_scan,
+    "stream_segs_plan_bounds_runs": check_stream_segs_plan_bounds_runs,
+    "stream_segs_outputs": check_stream_segs_outputs,
     "stream_fp8_long_tail": lambda: check_stream_fp8(12, 2, 16, 16, long_tail(12, 1500, 7), min_chunk=1),
     "stream_fp8_v_pages_bf16_queries_window": lambda: check_stream_fp8(
         6, 2, 32, 16, [7, 260, 45, 600], window=100, q_dtype=torch.bfloat16, tol=2e-2, min_chunk=1, v_pages=True),
