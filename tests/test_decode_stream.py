@@ -131,15 +131,20 @@ def check_stream_segs_outputs():
     try:
         for segs in (3, 4):
             ps.STREAM_SEGS = segs
-            check_stream(4, 2, 16, 16, long_tail(12, 1000, 1), min_chunk=1)
-            check_stream(12, 2, 16, 8, [1, 19, 20, 21, 900, 3], window=150, min_chunk=1)
+            check_stream(4, 2, 16, 16, long_tail(8, 600, 1), min_chunk=1)
+            check_stream(12, 2, 16, 8, [1, 19, 20, 21, 500, 3], window=150, min_chunk=1)
             check_stream(4, 2, 16, 8, [40] * 14 + [700], min_chunk=1, stream_waves=2)
-            check_stream_fp8(12, 2, 16, 16, long_tail(9, 800, 7), min_chunk=1, swap_ab=True, v_pages=True)
+            check_stream_fp8(12, 2, 16, 16, long_tail(6, 500, 7), min_chunk=1, swap_ab=True, v_pages=True)
             q, cache, meta = scenario([1] * 6, [12, 1, 40, 33, 9, 300], 4, 2, 16, 8)
             meta.seq_lens[1] = meta.seq_lens[4] = 0
             out = stream_decode(q, cache, meta, min_chunk=1)
             assert not out[1].any() and not out[4].any()
             assert_close(out[[0, 2, 3, 5]], reference_attention(q, cache, meta, SCALE)[[0, 2, 3, 5]], 1e-4)
+            old_scan, ps.SCAN = ps.SCAN, 8  # the plan's three passes over more sequences than one scan step
+            try:
+                check_stream(2, 1, 16, 8, long_tail(19, 300, 3), min_chunk=1, stream_waves=3)
+            finally:
+                ps.SCAN = old_scan
         launches, kernel = [], ps._decode_stream_kernel
 
         class Seen:
