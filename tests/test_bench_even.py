@@ -66,10 +66,21 @@ def test_compare_stream_variants(monkeypatch):
     assert not any(name.startswith("stream_r") for name in fp8)  # fp8's kernel has its registers (168)
     assert bf16["stream_c32w4_ps5"]["config"] == (32, 4, 2, None) and "stream_c64w8_ps2" in bf16
     assert fp8["stream_c32r168_ps6"]["config"] == (32, 2, 3, 168) and "stream_c64r200_ps5" in fp8
-    assert fp8["stream_s4"]["knobs"] == {"STREAM_SEGS": 4}
-    assert bf16["stream_s4_r96_ps5"]["knobs"] == {"STREAM_SEGS": 4, "STREAM_PROGRAMS_PER_SM": 5, "STREAM_MAXNREG": 96}
+    assert fp8["stream_s8"]["knobs"] == {"STREAM_SEGS": 8} and "stream_s6" in fp8
+    assert bf16["stream_s8_r96_ps5"]["knobs"] == {"STREAM_SEGS": 8, "STREAM_PROGRAMS_PER_SM": 5, "STREAM_MAXNREG": 96}
     assert fp8["stream_w1_ps7"]["knobs"] == {"FP8_PROGRAMS_PER_SM": 7} and "stream_w1_ps6" not in fp8
     assert "uniform" not in bf16  # long-tail and even lengths: no uniform rule to time
     args.lengths = "uniform"  # W1's shape (w1_stream): the rule its steps take, one wave's equal chunks
     uniform = {v["variant"]: v for v in kb.decode_variants(args, 32, 8, 128, "bf16")}
     assert uniform["uniform"]["even_lengths"] == 2 and uniform["uniform"]["plan"]
+
+
+def test_stream_balance_padding_unbalances_small_segs():
+    """bench/stream_balance.py: on W2's 16K long tail (bf16's 264 programs a kv head) SEGS 4's padding leaves one
+    program a third more than the mean, SEGS 8 within 2%; the loop (0) pads nothing."""
+    sb = load_bench("stream_balance")
+    name, lens, hkv, per_sm = next(p for p in sb.profiles() if p[0] == "W2 long tail 256 x 16K bf16")
+    programs = per_sm * 132 // hkv
+    loop, four, eight = (sb.balance(lens, programs, s) for s in (0, 4, 8))
+    assert loop["vmin"] == 0 and loop["run_space"] == loop["live_tiles"]
+    assert four["max_over_mean"] > 1.3 and eight["max_over_mean"] < 1.02, (four, eight)

@@ -122,6 +122,21 @@ def check_stream_segs_plan_bounds_runs():
             ps.stream_segs(bad, 10, 2)
 
 
+def check_stream_balance_mirrors_the_plan():
+    """bench/stream_balance.py's vmin and run space are the plan kernel's (its last run ends at the run space)."""
+    import rollout.kernels.paged_decode_stream as ps
+    from tests.script_helpers import load_bench
+
+    sb = load_bench("stream_balance")
+    for lens, programs, segs, min_chunk in (([1, 0, 700, 3, 2, 900, 40], 12, 4, 1), (long_tail(24, 2000, 1), 12, 6, 2),
+                                            ([40] * 30 + [3000], 11, 8, 2), ([300] * 9, 8, 4, 6), ([5, 9], 3, 4, 1)):
+        plan, _ = ps.stream_plan(None, torch.tensor(lens, dtype=torch.int32), 16, 0, programs, min_chunk,
+                                 ps.stream_segs(segs, programs, len(lens)))  # fmt: skip
+        got = sb.balance(lens, programs, segs, block_n=16, min_chunk=min_chunk)
+        assert plan[0, 4].item() == got["vmin"], (lens, plan[0, 4].item(), got)
+        assert plan[-1, 3].item() == got["run_space"], (lens, plan[-1].tolist(), got)
+
+
 def check_stream_segs_outputs():
     """The unrolled kernel (STREAM_SEGS 3 and 4) equals the reference: long tails, empty sequences, windows,
     sequences shorter than a run, fp8 with V page by page; a batch too large for the bound takes the loop."""
@@ -344,6 +359,7 @@ CHECKS = {
     "stream_many_seqs_small_scan": check_stream_many_seqs_small_scan,
     "stream_segs_plan_bounds_runs": check_stream_segs_plan_bounds_runs,
     "stream_segs_outputs": check_stream_segs_outputs,
+    "stream_balance_mirrors_the_plan": check_stream_balance_mirrors_the_plan,
     "stream_fp8_long_tail": lambda: check_stream_fp8(12, 2, 16, 16, long_tail(12, 1500, 7), min_chunk=1),
     "stream_fp8_v_pages_bf16_queries_window": lambda: check_stream_fp8(
         6, 2, 32, 16, [7, 260, 45, 600], window=100, q_dtype=torch.bfloat16, tol=2e-2, min_chunk=1, v_pages=True),
