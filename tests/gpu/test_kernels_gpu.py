@@ -150,13 +150,13 @@ def test_decode_fused_merge_equals_two_kernels(kv):
         assert (got.float() - want.float()).abs().max().item() <= 1e-2 * want.float().abs().max().item()
 
 
-@pytest.mark.parametrize("segs", [0, 4])
+@pytest.mark.parametrize("segs", [0, 4, 8])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("batch,max_ctx,waves", [(256, 16384, 1), (256, 3072, 2), (7, 32768, 1)])
 def test_decode_stream_split(kv, batch, max_ctx, waves, segs, monkeypatch):
     """The stream split (runs of key tiles across sequences, paged_decode_stream.py) at W2's shapes: equal to the
     reference, graph padding (seq_len 0) zeroed, and one plan shared by a step's layers replayed in a CUDA graph;
-    with the loop over a run's sequences and with 4 of them unrolled (STREAM_SEGS)."""
+    with the loop over a run's sequences and with 4 or 8 of them unrolled (STREAM_SEGS)."""
     import rollout.kernels.paged_decode_stream as ps
 
     monkeypatch.setattr(ps, "STREAM_SEGS", segs)
