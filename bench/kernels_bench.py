@@ -228,7 +228,8 @@ def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: to
         planned = var.get("plan", False)
         if "config" in var:
             pd.decode_config = lambda *_, c=var["config"]: c  # bench-only override of the tile choice
-        mods = {name: ps if name in ("STREAM_WAVES", "STREAM_SEGS") else pd for name in var.get("knobs", {})}
+        # paged_decode's constants, or the stream split's own (as scripts/bench.py's knob_module)
+        mods = {name: pd if hasattr(pd, name) else ps for name in var.get("knobs", {})}
         saved = {name: getattr(mods[name], name) for name in mods}
         for name, value in var.get("knobs", {}).items():  # module constants for this variant only
             setattr(mods[name], name, value)

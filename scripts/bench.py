@@ -691,21 +691,25 @@ def parse_decode_knobs(text: str) -> dict[str, int]:
     return knobs
 
 
+def knob_module(name: str):
+    """The module holding a decode knob: paged_decode's constants, or the stream split's own (STREAM_WAVES,
+    STREAM_SEGS) where paged_decode has none of that name."""
+    import rollout.kernels.paged_decode as pd
+    import rollout.kernels.paged_decode_stream as ps
+
+    return pd if hasattr(pd, name) else ps
+
+
 def apply_decode_knobs(knobs: dict[str, int]) -> None:
     """Set the decode kernel module's constants (read at each call, so engines built later use them)."""
-    import rollout.kernels.paged_decode as pd
     from rollout.layers.triton_backend import TritonAttentionBackend
 
     for name, value in knobs.items():
         if name == "FUSED_ROPE":  # the Triton backends' rotary fused with the K/V store (its class attribute)
             TritonAttentionBackend.fuses_rope = bool(value)
             continue
-        if name in ("STREAM_WAVES", "STREAM_SEGS"):  # the stream split's program count and segments (its module)
-            import rollout.kernels.paged_decode_stream as ps
-
-            setattr(ps, name, value)
-            continue
-        setattr(pd, name, bool(value) if isinstance(getattr(pd, name), bool) else value)
+        mod = knob_module(name)
+        setattr(mod, name, bool(value) if isinstance(getattr(mod, name), bool) else value)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -27,7 +27,7 @@ kept in the step's ``plans`` dict for every layer with the same tile and window.
 
 On for fp8 caches (``paged_decode.STREAM_K_FP8``), off for 16-bit ones (``STREAM_K``). On an H100 the kernel is
 faster than the engine's rules for fp8 at every W2 shape timed (1.01-1.07x), and W2 with fp8 KV ran 1.433x bf16
-with it; for bf16 a wave of 6 programs an SM (``STREAM_PROGRAMS_PER_SM``) beat the rules by 1-2% in the kernel
+with it; for bf16 a wave of 6 programs an SM (``STREAM_PROGRAMS_PER_SM``) beat the rules by 0.8-2% in the kernel
 bench, untimed in the engine. paged_decode.py has the numbers.
 """
 
@@ -45,11 +45,12 @@ from rollout.kernels.paged_decode import _chunk_attention, _tile_range
 # speeds).
 STREAM_WAVES = 1
 # Sequences a program's run may touch, unrolled in the kernel (0: any number, a loop over them). The loop costs
-# registers: the bf16 kernel takes 153 a thread with it (3 programs an SM) and 96 with 4 segments unrolled (5 an SM;
-# bench/kernel_sass.py --kernel stream with Triton 3.6); fp8's stays at its cap (168) but stops reloading 13
-# spilled values in its loops. To keep every run within SEGS sequences the plan pads each sequence's share of the
-# run space to at least ``vmin`` tiles (work-free tiles: a run over them does nothing there), the least that
-# bounds every run (stream_vmin); a batch too large for that (programs x (SEGS - 2) <= batch) takes the loop.
+# registers: the bf16 kernel takes 153 a thread with it (3 programs an SM) and 115-117 with 3-8 segments unrolled
+# (4 an SM; bench/kernel_sass.py --kernel stream --stream-segs with Triton 3.6); fp8's stays at its cap (168) but
+# stops reloading 13 spilled values in its loops. To keep every run within SEGS sequences the plan pads each
+# sequence's share of the run space to at least ``vmin`` tiles (work-free tiles: a run over them does nothing
+# there), the least that bounds every run (_stream_plan_kernel; bench/stream_balance.py shows what the padding
+# costs in balance: SEGS 8, not 4); a batch too large for that (programs x (SEGS - 2) <= batch) takes the loop.
 STREAM_SEGS = 0
 SCAN = 256  # sequences per step of the plan's prefix sums
 
