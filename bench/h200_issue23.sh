@@ -15,7 +15,8 @@
 #   kernels  decode kernels at W2's shapes: balanced / planned / planned_all_waves (the one-wave cut of even
 #            lengths off) / fp8 V copied page by page (v_pages) / fixed split (bench/kernels_bench.py)
 #   w1       W1 (llama3-8b, 32 x 128 -> 8192) at t1: the floor-ratio bar of 0.90 (~2.5 min)
-#   w1cmp    W1 with --compare-legacy (~5 min); w1_profile: its step's kernels, the even split vs 2 chunks (~2 min);
+#   w1cmp    W1 with --compare-legacy (~5 min); w1_profile: its step's kernels, plain launches vs PDL (~2 min);
+#            w1pdl: W1 with plain launches, then with programmatic dependent launch (PDL=1, ~5 min);
 #            w1uniform: W1 with UNIFORM_ONE_WAVE=1 (its uniform steps on one wave's count, ~2.5 min)
 #   partial  bench/partial_rollout.py at W2's 16K tail, drain vs partial (PARTIAL_MODES=drain to split calls);
 #            PARTIAL_WARMUP rounds (default 1) are left out of steady_handed_out_tok_s, the bar's rate; no round
@@ -126,12 +127,18 @@ for l in sys.stdin:
       timeout ${W1_TIMEOUT:-420} python3 scripts/bench.py --workload W1 --modes async --sampling t1 --compare-legacy \
         "${KNOB_ARGS[@]}" --out "$OUT/w1cmp$SUFFIX.jsonl" > "$OUT/w1cmp$SUFFIX.log" 2>&1
       summary "$OUT/w1cmp$SUFFIX.jsonl" ;;
+    w1pdl)  # W1 with plain launches, then with programmatic dependent launch (PDL=1), on one machine (~5 min)
+      for knobs in "" PDL=1; do
+        timeout ${W1_TIMEOUT:-240} python3 scripts/bench.py --workload W1 --modes async --sampling t1 \
+          ${knobs:+--decode-knobs $knobs} --out "$OUT/w1pdl.jsonl" > "$OUT/w1pdl${knobs:+_pdl}.log" 2>&1
+      done
+      summary "$OUT/w1pdl.jsonl" ;;
     w1uniform)  # W1 with uniform steps on one wave's count (UNIFORM_ONE_WAVE=1) against the w1 stage's record
       timeout ${W1_TIMEOUT:-240} python3 scripts/bench.py --workload W1 --modes async --sampling t1 \
         --decode-knobs UNIFORM_ONE_WAVE=1 --out "$OUT/w1uniform.jsonl" > "$OUT/w1uniform.log" 2>&1
       summary "$OUT/w1uniform.jsonl" ;;
-    w1_profile)  # one W1-shaped step (llama3-8b, B=32, even lengths to 8K) kernel by kernel: the even split vs 2 chunks
-      for knobs in "" EVEN_MAX_SPLITS=2; do
+    w1_profile)  # one W1-shaped step (llama3-8b, B=32, even lengths to 8K) kernel by kernel: plain launches vs PDL
+      for knobs in "" PDL=1; do
         timeout 150 python3 bench/step_profile.py --preset llama3-8b --kv auto --batch 32 --ctx 8192 --lengths even \
           ${knobs:+--decode-knobs $knobs} --out "$OUT/step_profile_w1.jsonl" 2>&1 | tail -8
       done ;;

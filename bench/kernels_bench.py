@@ -203,7 +203,7 @@ def decode_variants(args, batch: int, hkv: int, max_tiles: int, kv: str = "bf16"
 
 def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: torch.dtype, kv: str) -> list[dict]:
     import rollout.kernels.paged_decode as pd
-    import rollout.kernels.paged_decode_stream as ps
+    from rollout.kernels.knobs import knob_module
 
     lens = {"long-tail": long_tail_lens, "even": even_lens}.get(args.lengths, lambda b, c, seed: [c] * b)(
         batch, ctx, seed=batch)
@@ -228,8 +228,7 @@ def time_decode(args, batch: int, ctx: int, hq: int, hkv: int, d: int, dtype: to
         planned = var.get("plan", False)
         if "config" in var:
             pd.decode_config = lambda *_, c=var["config"]: c  # bench-only override of the tile choice
-        # paged_decode's constants, or the stream split's own (as scripts/bench.py's knob_module)
-        mods = {name: pd if hasattr(pd, name) else ps for name in var.get("knobs", {})}
+        mods = {name: knob_module(name) for name in var.get("knobs", {})}
         saved = {name: getattr(mods[name], name) for name in mods}
         for name, value in var.get("knobs", {}).items():  # module constants for this variant only
             setattr(mods[name], name, value)

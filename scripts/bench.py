@@ -40,6 +40,7 @@ from rollout import Engine, SamplingParams  # noqa: E402
 from rollout.config import EngineConfig  # noqa: E402
 from rollout.engine.runners.graphs import EVEN, UNEVEN, UNIFORM  # noqa: E402
 from rollout.engine.runners.kv_cache import KVCacheTooLarge  # noqa: E402
+from rollout.kernels.knobs import knob_module  # noqa: E402
 from rollout.layers.kv_quant import fp8_block_bytes  # noqa: E402
 
 PRESETS = {  # public config shapes, random weights
@@ -674,7 +675,7 @@ DECODE_KNOBS = ("V_PAGES", "FUSED_MERGE", "DECODE_WAVES", "MIN_CHUNK_TILES", "PR
                 "EVEN_FIXED_SPLIT", "FUSED_ROPE", "FP8_PROGRAMS_PER_SM", "EVEN_WAVES", "EVEN_MAX_SPLITS",
                 "EVEN_MIN_CHUNK_TILES", "EVEN_MIN_ROWS", "FP8_EVEN_MIN_CHUNK_TILES",
                 "UNIFORM_ONE_WAVE", "STREAM_K", "STREAM_K_FP8", "STREAM_WAVES", "STREAM_PROGRAMS_PER_SM",
-                "STREAM_MAXNREG", "STREAM_BLOCK_N", "STREAM_WARPS", "STREAM_SEGS")
+                "STREAM_MAXNREG", "STREAM_BLOCK_N", "STREAM_WARPS", "STREAM_SEGS", "PDL")
 
 
 def parse_decode_knobs(text: str) -> dict[str, int]:
@@ -689,15 +690,6 @@ def parse_decode_knobs(text: str) -> dict[str, int]:
         except ValueError:
             raise ValueError(f"--decode-knobs {name}={value!r}: the value must be an integer") from None
     return knobs
-
-
-def knob_module(name: str):
-    """The module holding a decode knob: paged_decode's constants, or the stream split's own (STREAM_WAVES,
-    STREAM_SEGS) where paged_decode has none of that name."""
-    import rollout.kernels.paged_decode as pd
-    import rollout.kernels.paged_decode_stream as ps
-
-    return pd if hasattr(pd, name) else ps
 
 
 def apply_decode_knobs(knobs: dict[str, int]) -> None:

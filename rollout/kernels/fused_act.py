@@ -10,11 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.kernels.pdl import pdl_enter, pdl_launch
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _silu_and_mul_kernel(gu_ptr, out_ptr, stride_gt, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(gu_ptr, out_ptr, stride_gt, inter, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < inter
@@ -39,7 +42,8 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     if t == 0 or inter == 0:
         return out
     block = min(1024, triton.next_power_of_2(inter))
+    pdl, pdl_opts = pdl_launch(gate_up.device)
     _silu_and_mul_kernel[(t, triton.cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), inter, BLOCK=block, num_warps=4, enable_fp_fusion=False
+        gate_up, out, gate_up.stride(0), inter, BLOCK=block, PDL=pdl, num_warps=4, enable_fp_fusion=False, **pdl_opts
     )
     return out

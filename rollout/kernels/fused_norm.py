@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.kernels.pdl import pdl_enter, pdl_launch
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -24,8 +26,9 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr,
     stride_xt, stride_xh, stride_rt, stride_rh,
     N, inv_n, eps,
-    H: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+    H: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -79,10 +82,11 @@ def rms_norm(
     if t == 0:
         return y, res_out
     block = triton.next_power_of_2(n)
+    pdl, pdl_opts = pdl_launch(x.device)
     _rms_norm_kernel[(t, h)](
         x, residual if residual is not None else x, weight, y, res_out if res_out is not None else y,
         sxt, sxh, srt, srh, n, 1.0 / n, eps,
-        H=h, BLOCK=block, HAS_RES=residual is not None,
-        num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False,
+        H=h, BLOCK=block, HAS_RES=residual is not None, PDL=pdl,
+        num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False, **pdl_opts,
     )  # fmt: skip
     return y, res_out

@@ -44,6 +44,7 @@ from rollout.kernels.paged_common import (  # noqa: F401 - re-exported for calle
     to_dot16,
     v_operand,
 )
+from rollout.kernels.pdl import pdl_enter, pdl_launch
 
 # Resident decode programs per SM on the H200 (bf16, head_dim 128, 4 warps, 2 stages), as inferred
 # from the split sweep of the previous, per-batch split heuristic (bench/results/kernels_*_h200.jsonl).
@@ -420,8 +421,9 @@ def _decode_split_kernel(
     USE_WINDOW: tl.constexpr,
     KV_FP8: tl.constexpr, V_TRANS: tl.constexpr, SCALE_CONTIG: tl.constexpr, DOT16: tl.constexpr,
     DOT_PREC: tl.constexpr, SCAN_N: tl.constexpr, FUSED_MERGE: tl.constexpr, SWAP_AB: tl.constexpr,
-    PLANNED: tl.constexpr, WAVES: tl.constexpr, V_PAGES: tl.constexpr,
+    PLANNED: tl.constexpr, WAVES: tl.constexpr, V_PAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     if FIXED_SPLITS > 0:  # bench A/B and tests: every sequence in exactly FIXED_SPLITS chunks
@@ -497,10 +499,11 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     part_o_ptr, part_lse_ptr, seq_info_ptr, out_ptr, num_heads,
     stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, S_BLOCK_N: tl.constexpr, ZERO_EMPTY: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr, S_BLOCK_N: tl.constexpr, ZERO_EMPTY: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Sequence b's chunks merged into its output row for query head h. ``ZERO_EMPTY``: a sequence with no chunk
     (n == 0: the stream split gives an empty one none) gets zeros here; the chunked splits give every sequence one."""
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(seq_info_ptr + 2 * b + 1)
@@ -725,7 +728,8 @@ def paged_decode_attention(
     if fixed_min_chunk < 0 or fixed_min_splits < 1:
         raise ValueError(f"fixed_min_chunk must be >= 0 and fixed_min_splits >= 1; got {fixed_min_chunk}, "
                          f"{fixed_min_splits}")
-    launch = dict(num_warps=warps, num_stages=stages)
+    pdl, pdl_opts = pdl_launch(q.device)
+    launch = dict(num_warps=warps, num_stages=stages, **pdl_opts)
     if maxnreg and maxnreg[0]:
         launch["maxnreg"] = maxnreg[0]
     programs = batch * num_splits if num_splits else batch + split_target
@@ -758,11 +762,11 @@ def paged_decode_attention(
         FIXED_MIN_SPLITS=fixed_min_splits if num_splits and fixed_min_chunk else 1,
         USE_WINDOW=window > 0, **consts,
         DOT_PREC=dot_precision(q), SCAN_N=SCAN, FUSED_MERGE=fused_merge, SWAP_AB=swap_ab, PLANNED=planned,
-        WAVES=waves, V_PAGES=v_pages, **launch,
+        WAVES=waves, V_PAGES=v_pages, PDL=pdl, **launch,
     )  # fmt: skip
     if num_splits != 1 and not fused_merge:
         _decode_reduce_kernel[(batch, hq)](
             part_o, part_lse, seq_info, out, hq, out.stride(0), out.stride(1),
-            HEAD_DIM=d, S_BLOCK_N=S_BLOCK, num_warps=4,
+            HEAD_DIM=d, S_BLOCK_N=S_BLOCK, PDL=pdl, num_warps=4, **pdl_opts,
         )  # fmt: skip
     return out

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from rollout.kernels.paged_common import to_dot16
 from rollout.kernels.paged_decode import _chunk_attention, _tile_range
+from rollout.kernels.pdl import pdl_enter, pdl_launch
 
 # Waves of resident programs the stream split launches per step (1: every program resident at once, each run
 # the step's exact share; more: shorter runs the block scheduler can even out when programs run at unequal
@@ -181,7 +182,9 @@ def _decode_stream_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, KV_FP8: tl.constexpr, V_TRANS: tl.constexpr, SCALE_CONTIG: tl.constexpr,
     DOT16: tl.constexpr, DOT_PREC: tl.constexpr, SWAP_AB: tl.constexpr, V_PAGES: tl.constexpr, SEGS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.load(plan_ptr + 5 * pid)
@@ -260,17 +263,18 @@ def decode_stream(q: torch.Tensor, ptrs: tuple, strides: tuple, consts: dict, bl
     plan, seq_info = stream_plan(plans, seq_lens, block_n, window, programs, min_chunk, segs)
     part_o = torch.empty((programs + batch, hq, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((programs + batch, hq), dtype=torch.float32, device=q.device)
-    launch = dict(num_warps=warps, num_stages=stages)
+    pdl, pdl_opts = pdl_launch(q.device)
+    launch = dict(num_warps=warps, num_stages=stages, **pdl_opts)
     if maxnreg and maxnreg[0]:
         launch["maxnreg"] = maxnreg[0]
     _decode_stream_kernel[(programs, hkv)](
         q, *ptrs, block_tables, seq_lens, out, part_o, part_lse, plan, qk_scale, window, batch,
         q.stride(0), q.stride(1), *strides, block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=hq // hkv, G_PAD=g_pad, HEAD_DIM=d, PAGE=page, BLOCK_N=block_n, USE_WINDOW=window > 0, **consts,
-        DOT_PREC=dot_prec, SWAP_AB=swap_ab, V_PAGES=v_pages, SEGS=segs, **launch,
+        DOT_PREC=dot_prec, SWAP_AB=swap_ab, V_PAGES=v_pages, SEGS=segs, PDL=pdl, **launch,
     )  # fmt: skip
     reduce_kernel[(batch, hq)](
         part_o, part_lse, seq_info, out, hq, out.stride(0), out.stride(1),
-        HEAD_DIM=d, S_BLOCK_N=s_block, ZERO_EMPTY=True, num_warps=4,
+        HEAD_DIM=d, S_BLOCK_N=s_block, ZERO_EMPTY=True, PDL=pdl, num_warps=4, **pdl_opts,
     )  # fmt: skip
     return out

@@ -18,6 +18,7 @@ import triton.language as tl
 from rollout.kernels.fused_rotary import BLOCK_H, _cos_sin, _rotate_block
 from rollout.kernels.kv_write import _store_rows
 from rollout.kernels.paged_common import KVPair, check_kv_layout, check_kv_scales, kv_args, round_to_e4m3
+from rollout.kernels.pdl import pdl_enter, pdl_launch
 
 
 @triton.jit
@@ -41,8 +42,9 @@ def _rope_kv_write_kernel(
     HQ, NQB,
     NUM_KV_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, KV_FP8: tl.constexpr, V_TRANS: tl.constexpr,
-    SCALE_CONTIG: tl.constexpr,
+    SCALE_CONTIG: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(PDL)
     t = tl.program_id(0)
     blk = tl.program_id(1)
     c, s, offs_d, d_ok = _cos_sin(pos_ptr, cs_ptr, t, stride_c, HALF, HALF)  # head_dim a power of two: no lane off
@@ -112,11 +114,12 @@ def rope_write_kv(
         return
     ptrs, strides, consts = kv_args(kv_cache, kv_scales)
     nqb = triton.cdiv(hq, BLOCK_H)
+    pdl, pdl_opts = pdl_launch(q.device)
     _rope_kv_write_kernel[(t, nqb + 1)](
         q, k, v, positions, cos_sin_cache, *ptrs, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         *strides,
         hq, nqb,
         NUM_KV_HEADS=hkv, H_PAD=triton.next_power_of_2(hkv), HEAD_DIM=d, HALF=d // 2, PAGE=page, BLOCK_H=BLOCK_H,
-        **consts, num_warps=2 if hkv * d <= 1024 else 4, enable_fp_fusion=False,
+        **consts, PDL=pdl, num_warps=2 if hkv * d <= 1024 else 4, enable_fp_fusion=False, **pdl_opts,
     )  # fmt: skip
