@@ -137,9 +137,11 @@ for l in sys.stdin:
       timeout ${W1_TIMEOUT:-240} python3 scripts/bench.py --workload W1 --modes async --sampling t1 \
         --decode-knobs UNIFORM_ONE_WAVE=1 --out "$OUT/w1uniform.jsonl" > "$OUT/w1uniform.log" 2>&1
       summary "$OUT/w1uniform.jsonl" ;;
-    w1_profile)  # one W1-shaped step (llama3-8b, B=32, even lengths to 8K) kernel by kernel: plain launches vs PDL
-      for knobs in "" PDL=1; do
-        timeout 150 python3 bench/step_profile.py --preset llama3-8b --kv auto --batch 32 --ctx 8192 --lengths even \
+    w1_profile)  # one W1-shaped step (llama3-8b, B=32, every context 4K: W1's uniform steps at its mean) kernel by
+      # kernel: plain launches, PDL, the fused merge (no reduce launch), both (W1_PROFILE_KNOBS: another list)
+      for knobs in ${W1_PROFILE_KNOBS:-none PDL=1 FUSED_MERGE=1 PDL=1,FUSED_MERGE=1}; do
+        [ "$knobs" = none ] && knobs=""
+        timeout 150 python3 bench/step_profile.py --preset llama3-8b --kv auto --batch 32 --ctx 4096 --lengths uniform \
           ${knobs:+--decode-knobs $knobs} --out "$OUT/step_profile_w1.jsonl" 2>&1 | tail -8
       done ;;
     partial)  # issue 23.6: partial vs drain at W2's 16K tail (PARTIAL_MODES, PARTIAL_ROUNDS; one mode per call if long;

@@ -109,9 +109,10 @@ def main() -> None:
     p.add_argument("--preset", default="qwen2.5-1.5b")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--ctx", type=int, default=16384, help="longest context; the others log-uniform from 512")
-    p.add_argument("--lengths", choices=["long-tail", "even"], default="long-tail",
+    p.add_argument("--lengths", choices=["long-tail", "even", "uniform"], default="long-tail",
                    help="long-tail: the balanced partition's steps; even (uniform in [ctx / 3, ctx]): the fixed "
-                        "split's, which every W2 step takes (bench/w2_lengths.py)")
+                        "split's, which every W2 step takes (bench/w2_lengths.py); uniform: every prompt ctx long, "
+                        "W1's steps (one wave's equal chunks)")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--kv", default="auto,fp8", help="comma list of kv_cache_dtype values")
     p.add_argument("--mixed", type=int, default=0, metavar="TOKENS",
@@ -128,7 +129,10 @@ def main() -> None:
     bench.apply_decode_knobs(knobs)
     hf = bench.build_hf(args.preset)
     vocab = hf.config.vocab_size
-    lens = (even_lens if args.lengths == "even" else long_tail_lens)(args.batch, args.ctx, seed=args.batch)
+    if args.lengths == "uniform":
+        lens = [args.ctx] * args.batch
+    else:
+        lens = (even_lens if args.lengths == "even" else long_tail_lens)(args.batch, args.ctx, seed=args.batch)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, vocab - 100, (n,), generator=gen).tolist() for n in lens]
     rows = {}
