@@ -33,8 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-         torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8"}  # fmt: skip
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
+         torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8", torch.int64: "i64"}  # fmt: skip
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "launch_pdl")
 
 
 class _Captured(Exception):

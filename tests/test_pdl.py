@@ -11,10 +11,16 @@ import rollout.kernels.pdl as pdl
 from rollout.kernels.knobs import knob_module
 
 
-def _ptx(fn, sig: dict, consts: dict) -> str:
+def _ptx_tools() -> bool:
     triton = pytest.importorskip("triton")
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    if not (tools / "ptxas").exists() and shutil.which("ptxas") is None:
+    return (tools / "ptxas").exists() or shutil.which("ptxas") is not None
+
+
+def _ptx(fn, sig: dict, consts: dict) -> str:
+    import triton
+
+    if not _ptx_tools():
         pytest.skip("this Triton wheel carries no ptxas")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -59,3 +65,58 @@ def test_pdl_knob_is_found_and_set(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pdl, "PDL", False)
     bench.apply_decode_knobs(bench.parse_decode_knobs("PDL=1"))
     assert pdl.PDL is True
+
+
+def _before_first_load(ptx: str) -> bool:
+    return "griddepcontrol.launch_dependents" in ptx and ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+
+
+@pytest.mark.parametrize("kv,stream", [("bf16", False), ("fp8", True)])
+def test_decode_kernels_launch_with_pdl(kv: str, stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode split as ``paged_decode_attention`` launches it with the knob on (the chunked split for bf16,
+    the stream split for fp8): launched with ``launch_pdl`` and its PDL constexpr on, and compiled for sm_90 it
+    waits for the kernel before it ahead of any load. The reduce kernel the same."""
+    import rollout.kernels.paged_decode as pd
+    import rollout.kernels.paged_decode_stream as ps
+    from tests.script_helpers import load_bench
+
+    sass = load_bench("kernel_sass")
+    for mod in (pd, ps):  # as on an sm_90 device with the knob on
+        monkeypatch.setattr(mod, "pdl_launch", lambda device: (True, {"launch_pdl": True}))
+    launch = sass.capture_launch(kv, hq=12, hkv=2, d=128, page=16, batch=64, swap_ab=None, stream=stream)
+    assert launch["kw"]["PDL"] is True and launch["kw"]["launch_pdl"] is True
+    if not _ptx_tools():
+        pytest.skip("this Triton wheel carries no ptxas")
+    kernel = sass.compile_sm90(launch, ps._decode_stream_kernel if stream else pd._decode_split_kernel)
+    assert kernel.metadata.launch_pdl is True
+    assert _before_first_load(kernel.asm["ptx"])
+    reduce = _ptx(pd._decode_reduce_kernel, {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "seq_info_ptr": "*i32",
+                                             "out_ptr": "*bf16", "num_heads": "i32", "stride_ot": "i32",
+                                             "stride_oh": "i32"},
+                  {"HEAD_DIM": 128, "S_BLOCK_N": 16, "ZERO_EMPTY": stream, "PDL": True})  # fmt: skip
+    assert _before_first_load(reduce)
+
+
+def test_rope_kv_write_launches_with_pdl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rotary + K/V store, the kernel between the qkv GEMM and the split: the same, captured as rope_write_kv
+    launches it."""
+    import rollout.kernels.rope_kv_write as rk
+    from tests.script_helpers import load_bench
+
+    sass = load_bench("kernel_sass")
+    real, got = rk._rope_kv_write_kernel, {}
+
+    class Grab:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: got.update(args=args, kw=kw)
+
+    monkeypatch.setattr(rk, "_rope_kv_write_kernel", Grab())
+    monkeypatch.setattr(rk, "pdl_launch", lambda device: (True, {"launch_pdl": True}))
+    t, hq, hkv, d, page = 4, 8, 2, 128, 16
+    q, k, v = (torch.zeros(t, h, d, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+    cache = torch.zeros(2, 8, page, hkv, d, dtype=torch.bfloat16)
+    rk.rope_write_kv(q, k, v, torch.arange(t), torch.zeros(64, d), cache, torch.arange(t))
+    assert got["kw"]["PDL"] is True and got["kw"]["launch_pdl"] is True
+    if not _ptx_tools():
+        pytest.skip("this Triton wheel carries no ptxas")
+    assert _before_first_load(sass.compile_sm90(got, real).asm["ptx"])
