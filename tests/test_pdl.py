@@ -48,9 +48,9 @@ def test_pdl_kernels_wait_then_trigger(on: bool) -> None:
 
 def test_pdl_launch_is_off_without_the_knob_and_off_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert pdl.PDL is False
-    assert pdl.pdl_launch(torch.device("cpu")) == (False, {})
+    assert pdl.pdl_launch(torch.device("cpu")) == {}
     monkeypatch.setattr(pdl, "PDL", True)
-    assert pdl.pdl_launch(torch.device("cpu")) == (False, {})  # the interpreter has no griddepcontrol
+    assert pdl.pdl_launch(torch.device("cpu")) == {}  # the interpreter has no griddepcontrol
 
 
 def test_pdl_knob_is_found_and_set(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -82,7 +82,7 @@ def test_decode_kernels_launch_with_pdl(kv: str, stream: bool, monkeypatch: pyte
 
     sass = load_bench("kernel_sass")
     for mod in (pd, ps):  # as on an sm_90 device with the knob on
-        monkeypatch.setattr(mod, "pdl_launch", lambda device: (True, {"launch_pdl": True}))
+        monkeypatch.setattr(mod, "pdl_launch", lambda device: {"PDL": True, "launch_pdl": True})
     launch = sass.capture_launch(kv, hq=12, hkv=2, d=128, page=16, batch=64, swap_ab=None, stream=stream)
     assert launch["kw"]["PDL"] is True and launch["kw"]["launch_pdl"] is True
     if not _ptx_tools():
@@ -111,7 +111,7 @@ def test_rope_kv_write_launches_with_pdl(monkeypatch: pytest.MonkeyPatch) -> Non
             return lambda *args, **kw: got.update(args=args, kw=kw)
 
     monkeypatch.setattr(rk, "_rope_kv_write_kernel", Grab())
-    monkeypatch.setattr(rk, "pdl_launch", lambda device: (True, {"launch_pdl": True}))
+    monkeypatch.setattr(rk, "pdl_launch", lambda device: {"PDL": True, "launch_pdl": True})
     t, hq, hkv, d, page = 4, 8, 2, 128, 16
     q, k, v = (torch.zeros(t, h, d, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
     cache = torch.zeros(2, 8, page, hkv, d, dtype=torch.bfloat16)

@@ -42,8 +42,8 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     if t == 0 or inter == 0:
         return out
     block = min(1024, triton.next_power_of_2(inter))
-    pdl, pdl_opts = pdl_launch(gate_up.device)
     _silu_and_mul_kernel[(t, triton.cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), inter, BLOCK=block, PDL=pdl, num_warps=4, enable_fp_fusion=False, **pdl_opts
+        gate_up, out, gate_up.stride(0), inter, BLOCK=block, num_warps=4, enable_fp_fusion=False,
+        **pdl_launch(gate_up.device),
     )
     return out

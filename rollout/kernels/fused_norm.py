@@ -82,11 +82,10 @@ def rms_norm(
     if t == 0:
         return y, res_out
     block = triton.next_power_of_2(n)
-    pdl, pdl_opts = pdl_launch(x.device)
     _rms_norm_kernel[(t, h)](
         x, residual if residual is not None else x, weight, y, res_out if res_out is not None else y,
         sxt, sxh, srt, srh, n, 1.0 / n, eps,
-        H=h, BLOCK=block, HAS_RES=residual is not None, PDL=pdl,
-        num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False, **pdl_opts,
+        H=h, BLOCK=block, HAS_RES=residual is not None,
+        num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False, **pdl_launch(x.device),
     )  # fmt: skip
     return y, res_out

@@ -728,8 +728,8 @@ def paged_decode_attention(
     if fixed_min_chunk < 0 or fixed_min_splits < 1:
         raise ValueError(f"fixed_min_chunk must be >= 0 and fixed_min_splits >= 1; got {fixed_min_chunk}, "
                          f"{fixed_min_splits}")
-    pdl, pdl_opts = pdl_launch(q.device)
-    launch = dict(num_warps=warps, num_stages=stages, **pdl_opts)
+    pdl = pdl_launch(q.device)
+    launch = dict(num_warps=warps, num_stages=stages, **pdl)
     if maxnreg and maxnreg[0]:
         launch["maxnreg"] = maxnreg[0]
     programs = batch * num_splits if num_splits else batch + split_target
@@ -762,11 +762,11 @@ def paged_decode_attention(
         FIXED_MIN_SPLITS=fixed_min_splits if num_splits and fixed_min_chunk else 1,
         USE_WINDOW=window > 0, **consts,
         DOT_PREC=dot_precision(q), SCAN_N=SCAN, FUSED_MERGE=fused_merge, SWAP_AB=swap_ab, PLANNED=planned,
-        WAVES=waves, V_PAGES=v_pages, PDL=pdl, **launch,
+        WAVES=waves, V_PAGES=v_pages, **launch,
     )  # fmt: skip
     if num_splits != 1 and not fused_merge:
         _decode_reduce_kernel[(batch, hq)](
             part_o, part_lse, seq_info, out, hq, out.stride(0), out.stride(1),
-            HEAD_DIM=d, S_BLOCK_N=S_BLOCK, PDL=pdl, num_warps=4, **pdl_opts,
+            HEAD_DIM=d, S_BLOCK_N=S_BLOCK, num_warps=4, **pdl,
         )  # fmt: skip
     return out

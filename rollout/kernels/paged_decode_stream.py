@@ -263,18 +263,18 @@ def decode_stream(q: torch.Tensor, ptrs: tuple, strides: tuple, consts: dict, bl
     plan, seq_info = stream_plan(plans, seq_lens, block_n, window, programs, min_chunk, segs)
     part_o = torch.empty((programs + batch, hq, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((programs + batch, hq), dtype=torch.float32, device=q.device)
-    pdl, pdl_opts = pdl_launch(q.device)
-    launch = dict(num_warps=warps, num_stages=stages, **pdl_opts)
+    pdl = pdl_launch(q.device)
+    launch = dict(num_warps=warps, num_stages=stages, **pdl)
     if maxnreg and maxnreg[0]:
         launch["maxnreg"] = maxnreg[0]
     _decode_stream_kernel[(programs, hkv)](
         q, *ptrs, block_tables, seq_lens, out, part_o, part_lse, plan, qk_scale, window, batch,
         q.stride(0), q.stride(1), *strides, block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=hq // hkv, G_PAD=g_pad, HEAD_DIM=d, PAGE=page, BLOCK_N=block_n, USE_WINDOW=window > 0, **consts,
-        DOT_PREC=dot_prec, SWAP_AB=swap_ab, V_PAGES=v_pages, SEGS=segs, PDL=pdl, **launch,
+        DOT_PREC=dot_prec, SWAP_AB=swap_ab, V_PAGES=v_pages, SEGS=segs, **launch,
     )  # fmt: skip
     reduce_kernel[(batch, hq)](
         part_o, part_lse, seq_info, out, hq, out.stride(0), out.stride(1),
-        HEAD_DIM=d, S_BLOCK_N=s_block, ZERO_EMPTY=True, PDL=pdl, num_warps=4, **pdl_opts,
+        HEAD_DIM=d, S_BLOCK_N=s_block, ZERO_EMPTY=True, num_warps=4, **pdl,
     )  # fmt: skip
     return out

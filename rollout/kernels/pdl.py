@@ -23,11 +23,12 @@ import triton.language as tl
 PDL = False  # launch the decode step's Triton kernels with programmatic dependent launch (sm_90+)
 
 
-def pdl_launch(device: torch.device) -> tuple[bool, dict]:
-    """(the kernels' PDL constexpr, the launch's extra options) for a kernel about to run on ``device``."""
+def pdl_launch(device: torch.device) -> dict:
+    """Keywords for a PDL-aware kernel's launch on ``device``: its ``PDL`` constexpr and Triton's ``launch_pdl``
+    option where the knob is on and the device has it, else none (the kernel's ``PDL`` defaults to off)."""
     if not PDL or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        return False, {}
-    return True, {"launch_pdl": True}
+        return {}
+    return {"PDL": True, "launch_pdl": True}
 
 
 @triton.jit

@@ -114,12 +114,11 @@ def rope_write_kv(
         return
     ptrs, strides, consts = kv_args(kv_cache, kv_scales)
     nqb = triton.cdiv(hq, BLOCK_H)
-    pdl, pdl_opts = pdl_launch(q.device)
     _rope_kv_write_kernel[(t, nqb + 1)](
         q, k, v, positions, cos_sin_cache, *ptrs, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         *strides,
         hq, nqb,
         NUM_KV_HEADS=hkv, H_PAD=triton.next_power_of_2(hkv), HEAD_DIM=d, HALF=d // 2, PAGE=page, BLOCK_H=BLOCK_H,
-        **consts, PDL=pdl, num_warps=2 if hkv * d <= 1024 else 4, enable_fp_fusion=False, **pdl_opts,
+        **consts, num_warps=2 if hkv * d <= 1024 else 4, enable_fp_fusion=False, **pdl_launch(q.device),
     )  # fmt: skip
