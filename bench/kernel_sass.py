@@ -100,8 +100,8 @@ def compile_sm90(launch: dict, fn=None):
     options = {k: kw.pop(k) for k in LAUNCH_OPTIONS if k in kw}
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
-        if name in kw:
-            sig[name], consts[name] = "constexpr", kw[name]
+        if name in kw or i >= len(launch["args"]):  # a keyword, or a constexpr left at its default
+            sig[name], consts[name] = "constexpr", kw[name] if name in kw else fn.params[i].default
             continue
         v = launch["args"][i]
         if isinstance(v, torch.Tensor):
