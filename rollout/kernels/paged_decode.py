@@ -69,8 +69,9 @@ V_PAGES = True
 # The last chunk of a split sequence merges its partials (an atomic counter per sequence and kv head) instead of a
 # second kernel per layer (paged_decode_attention's fused_merge). H200 at e44d04c, without a plan: 1.1% faster at
 # B=256, 1.1% slower at B=128 (bench/results/h200_2026-12-03_kern_e44d04c.jsonl); with a plan the counters are
-# zeroed once per step. Off until kernels_bench's planned_fused is timed.
-FUSED_MERGE = False
+# zeroed once per step. On since the H100 at 8858c88 (bench/results/h100_2026-12-07f_*): W1 0.906 of the floor
+# against 0.899 in the same call, a W2-shaped bf16 step 0.2% (B=128) and 1.2% (B=256) shorter, fp8 unchanged.
+FUSED_MERGE = True
 # A decode step whose live lengths are even (longest <= 2 x mean; the caller knows them on the host, so each
 # kind replays its own graph) takes the fixed split count of ``choose_num_splits`` for its batch size: on even
 # lengths the balanced partition found nothing to balance yet paid its plan and reduce launches, 1-3% slower than
