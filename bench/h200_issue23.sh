@@ -11,7 +11,8 @@
 #   stream   the stream split (one wave of programs streaming equal runs across sequences) vs the engine's rules
 #   w1_stream  the same at W1's decode shape (llama3-8b, B=32, uniform lengths to 2K / 4K / 8K, ~1 min)
 #   even_short  the same at W2's 256-sequence steps (lengths in [1K, 3K])
-#   gemm     the decode linears, cuBLAS vs a split-K Triton kernel (bench/gemm_bench.py, ~3 min)
+#   gemm     the decode linears, cuBLAS vs a split-K Triton kernel (bench/gemm_bench.py, ~3 min); w1_gemm: W1's
+#            linears (llama3-8b, M=32), the same comparison (~1 min)
 #   kernels  decode kernels at W2's shapes: balanced / planned / planned_all_waves (the one-wave cut of even
 #            lengths off) / fp8 V copied page by page (v_pages) / fixed split (bench/kernels_bench.py)
 #   w1       W1 (llama3-8b, 32 x 128 -> 8192) at t1: the floor-ratio bar of 0.90 (~2.5 min)
@@ -100,6 +101,17 @@ for stage in "$@"; do
       # the decode linears: cuBLAS vs bench/skinny_gemm.py (split-K Triton) at W2's batch sizes (~3 min)
       timeout 280 python3 bench/gemm_bench.py --preset qwen2.5-1.5b --batches 8,32,128,256 --out "$OUT/gemm.jsonl" \
         2> "$OUT/gemm.err" | python3 -c "
+import json, sys
+for l in sys.stdin:
+    r = json.loads(l)
+    if r['bench'] == 'gemm':
+        print(r['shape'], r['M'], 'cublas', r['cublas_us'], 'ours', r['ours_us'], 'best', r['best_us'], 'floor', r['floor_us'])
+    else:
+        print(r)" ;;
+    w1_gemm)  # W1's linears (llama3-8b, M=32): cuBLAS against the split-K Triton GEMM; its qkv and o_proj ran at
+      # ~0.77 of their floor in w1_profile (h100_2026-12-07f), where a 64-wide tile leaves SMs idle (~1 min)
+      timeout 200 python3 bench/gemm_bench.py --preset llama3-8b --batches 32 --out "$OUT/gemm_w1.jsonl" \
+        2> "$OUT/gemm_w1.err" | python3 -c "
 import json, sys
 for l in sys.stdin:
     r = json.loads(l)
