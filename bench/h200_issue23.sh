@@ -58,6 +58,16 @@ for line in open(sys.argv[1]):
             print(f"  {kind}:", table)
 PY
 }
+gemm_summary() {  # bench/gemm_bench.py's lines on stdin: microseconds per linear, cuBLAS against ours
+  python3 -c "
+import json, sys
+for l in sys.stdin:
+    r = json.loads(l)
+    if r['bench'] == 'gemm':
+        print(r['shape'], r['M'], 'cublas', r['cublas_us'], 'ours', r['ours_us'], 'best', r['best_us'], 'floor', r['floor_us'])
+    else:
+        print(r)"
+}
 for stage in "$@"; do
   echo "== $stage $(date -u +%T)"
   case $stage in
@@ -100,25 +110,11 @@ for stage in "$@"; do
     gemm)
       # the decode linears: cuBLAS vs bench/skinny_gemm.py (split-K Triton) at W2's batch sizes (~3 min)
       timeout 280 python3 bench/gemm_bench.py --preset qwen2.5-1.5b --batches 8,32,128,256 --out "$OUT/gemm.jsonl" \
-        2> "$OUT/gemm.err" | python3 -c "
-import json, sys
-for l in sys.stdin:
-    r = json.loads(l)
-    if r['bench'] == 'gemm':
-        print(r['shape'], r['M'], 'cublas', r['cublas_us'], 'ours', r['ours_us'], 'best', r['best_us'], 'floor', r['floor_us'])
-    else:
-        print(r)" ;;
+        2> "$OUT/gemm.err" | gemm_summary ;;
     w1_gemm)  # W1's linears (llama3-8b, M=32): cuBLAS against the split-K Triton GEMM; its qkv and o_proj ran at
       # ~0.77 of their floor in w1_profile (h100_2026-12-07f), where a 64-wide tile leaves SMs idle (~1 min)
       timeout 200 python3 bench/gemm_bench.py --preset llama3-8b --batches 32 --out "$OUT/gemm_w1.jsonl" \
-        2> "$OUT/gemm_w1.err" | python3 -c "
-import json, sys
-for l in sys.stdin:
-    r = json.loads(l)
-    if r['bench'] == 'gemm':
-        print(r['shape'], r['M'], 'cublas', r['cublas_us'], 'ours', r['ours_us'], 'best', r['best_us'], 'floor', r['floor_us'])
-    else:
-        print(r)" ;;
+        2> "$OUT/gemm_w1.err" | gemm_summary ;;
     legacy)
       timeout 200 python3 scripts/bench.py --workload W1-short,W3 --modes async --compare-legacy --sampling t1 \
         "${KNOB_ARGS[@]}" --out "$OUT/legacy$SUFFIX.jsonl" > "$OUT/legacy$SUFFIX.log" 2>&1

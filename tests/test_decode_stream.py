@@ -13,7 +13,7 @@ import torch
 from rollout.layers.attention import reference_attention
 from tests.interpreter import child_main, child_verdicts
 from tests.test_fp8_kv import fp8_scenario
-from tests.test_kernels import SCALE, assert_close, long_tail, scenario
+from tests.test_kernels import SCALE, assert_close, counted_launches, long_tail, scenario
 
 
 def stream_decode(q, cache, meta, window=None, **kw):
@@ -200,15 +200,7 @@ def check_stream_planned_once_per_step():
     import rollout.kernels.paged_decode_stream as ps
 
     q, cache, meta = scenario([1] * 9, long_tail(9, 700, 5), 8, 2, 16, 16)
-    launches, plan_kernel = [], ps._stream_plan_kernel
-
-    class Counted:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return plan_kernel[grid]
-
-    ps._stream_plan_kernel = Counted()
-    try:
+    with counted_launches(ps, "_stream_plan_kernel") as launches:
         plans = {}
         ref = reference_attention(q, cache, meta, SCALE)
         for _ in range(2):
@@ -216,8 +208,6 @@ def check_stream_planned_once_per_step():
         assert len(launches) == 1, launches
         stream_decode(q, cache, meta, plans={}, min_chunk=1)
         assert len(launches) == 2
-    finally:
-        ps._stream_plan_kernel = plan_kernel
 
 
 def check_stream_switch():

@@ -13,6 +13,8 @@ uint16 bits (and truncates fp32 -> bf16 casts), so fp32 and fp16 cover the kerne
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -21,6 +23,23 @@ from rollout.layers.attention_metadata import AttentionMetadata
 from tests.interpreter import child_main, child_verdicts
 
 SCALE = 0.3
+
+
+@contextlib.contextmanager
+def counted_launches(module, name: str):
+    """Replace ``module.<name>`` (a Triton kernel) by a wrapper that records each launch's grid; yields the list."""
+    launches, kernel = [], getattr(module, name)
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    setattr(module, name, Counted())
+    try:
+        yield launches
+    finally:
+        setattr(module, name, kernel)
 
 
 def scenario(q_lens, seq_lens, hq, hkv, d, page, dtype=torch.float32, seed=0):
@@ -302,15 +321,7 @@ def check_decode_planned():
 
     lens = long_tail(12, 1000, 1)
     q, cache, meta = scenario([1] * len(lens), lens, 4, 2, 16, 16)
-    launches, plan_kernel = [], pd._decode_plan_kernel
-
-    class Counted:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return plan_kernel[grid]
-
-    pd._decode_plan_kernel = Counted()
-    try:
+    with counted_launches(pd, "_decode_plan_kernel") as launches:
         plans: dict = {}
         kw = dict(split_target=12, min_chunk=1, plans=plans)
         for window in (None, None, 150):
@@ -322,8 +333,6 @@ def check_decode_planned():
         out = pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, **kw)
         assert_close(out, reference_attention(q, cache, meta, SCALE), 1e-4)
         assert len(launches) == 3
-    finally:
-        pd._decode_plan_kernel = plan_kernel
 
 
 def check_decode_waves_uniform_lengths():
@@ -353,21 +362,11 @@ def check_decode_default_fused_merge():
 
     lens = long_tail(10, 800, 9)
     q, cache, meta = scenario([1] * len(lens), lens, 4, 2, 16, 16)
-    launches, reduce_kernel = [], pd._decode_reduce_kernel
-
-    class Counted:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return reduce_kernel[grid]
-
-    pd._decode_reduce_kernel = Counted()
-    try:
+    with counted_launches(pd, "_decode_reduce_kernel") as launches:
         for kw in (dict(split_target=12, min_chunk=1, plans={}), dict(num_splits=4)):
             out = pd.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, **kw)
             assert_close(out, reference_attention(q, cache, meta, SCALE), 1e-4)
-        assert launches == [], launches
-    finally:
-        pd._decode_reduce_kernel = reduce_kernel
+    assert launches == [], launches
 
 
 def check_decode_planned_fused_merge():
