@@ -71,6 +71,11 @@ def time_shape(name: str, n: int, k: int, bias: bool, m: int, bw: float, do_swee
         return graph_ms([lambda w=w: fn(w) for w in ws]) * 1e3
 
     cublas = us(lambda w: torch.nn.functional.linear(x, w, b))
+    # cuBLAS on the transposed problem, out^T [N, M] = W @ x^T: cuBLAS sees other dimensions and may pick other
+    # tiles (at M=32, W1's qkv and o_proj ran at ~0.77 of their floor in its step profile, h100_2026-12-07f);
+    # alone, and with the copy back to the [M, N] the next kernel reads (bias-free shapes only)
+    swapped = us(lambda w: torch.mm(w, x.t())) if b is None else None
+    swapped_copy = us(lambda w: torch.mm(w, x.t()).t().contiguous()) if b is None else None
     chosen = choose_config(m, n, k, sms)
     err = (skinny_linear(x, ws[0], b, chosen, sms, counters).float() - ref.float()).abs().max().item()
     ours = us(lambda w: skinny_linear(x, w, b, chosen, sms, counters))
@@ -86,6 +91,8 @@ def time_shape(name: str, n: int, k: int, bias: bool, m: int, bw: float, do_swee
     ws.clear()
     torch.cuda.empty_cache()
     return dict(bench="gemm", shape=name, M=m, N=n, K=k, bias=bias, cublas_us=round(cublas, 2),
+                cublas_swapped_us=swapped and round(swapped, 2),
+                cublas_swapped_copy_us=swapped_copy and round(swapped_copy, 2),
                 ours_us=round(ours, 2), best_us=round(best, 2), best_config=dataclasses.asdict(best_cfg),
                 chosen_config=dataclasses.asdict(chosen), floor_us=round(floor, 2),
                 cublas_floor_ratio=round(floor / cublas, 3), best_floor_ratio=round(floor / best, 3),

@@ -64,7 +64,8 @@ import json, sys
 for l in sys.stdin:
     r = json.loads(l)
     if r['bench'] == 'gemm':
-        print(r['shape'], r['M'], 'cublas', r['cublas_us'], 'ours', r['ours_us'], 'best', r['best_us'], 'floor', r['floor_us'])
+        print(r['shape'], r['M'], 'cublas', r['cublas_us'], 'swapped', r.get('cublas_swapped_us'), '+copy',
+              r.get('cublas_swapped_copy_us'), 'ours', r['ours_us'], 'best', r['best_us'], 'floor', r['floor_us'])
     else:
         print(r)"
 }
