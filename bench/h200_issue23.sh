@@ -17,7 +17,8 @@
 #            lengths off) / fp8 V copied page by page (v_pages) / fixed split (bench/kernels_bench.py)
 #   w1       W1 (llama3-8b, 32 x 128 -> 8192) at t1: the floor-ratio bar of 0.90 (~2.5 min)
 #   w1cmp    W1 with --compare-legacy (~5 min); w1_profile: its step's kernels, plain launches vs PDL (~2 min);
-#            w1pdl: W1 with plain launches, then with programmatic dependent launch (PDL=1, ~5 min);
+#            w1pdl: W1 with plain launches, then with programmatic dependent launch (PDL=1, ~5 min); w1ab: W1
+#            plain, then with each of AB_KNOBS (default GEMM_SWAP_ROWS=64: cuBLAS's transposed product, ~4 min);
 #            w1uniform: W1 with UNIFORM_ONE_WAVE=1 (its uniform steps on one wave's count, ~2.5 min)
 #   partial  bench/partial_rollout.py at W2's 16K tail, drain vs partial (PARTIAL_MODES=drain to split calls);
 #            PARTIAL_WARMUP rounds (default 1) are left out of steady_handed_out_tok_s, the bar's rate; no round
@@ -136,12 +137,14 @@ for stage in "$@"; do
       timeout ${W1_TIMEOUT:-420} python3 scripts/bench.py --workload W1 --modes async --sampling t1 --compare-legacy \
         "${KNOB_ARGS[@]}" --out "$OUT/w1cmp$SUFFIX.jsonl" > "$OUT/w1cmp$SUFFIX.log" 2>&1
       summary "$OUT/w1cmp$SUFFIX.jsonl" ;;
-    w1pdl)  # W1 with plain launches, then with programmatic dependent launch (PDL=1), on one machine (~5 min)
-      for knobs in "" PDL=1; do
+    w1pdl|w1ab)  # W1 plain, then with each of AB_KNOBS (w1pdl: PDL=1; w1ab: GEMM_SWAP_ROWS=64, cuBLAS's transposed
+      # product for the projections), on one machine (~2 min a run); w1pdl.jsonl / w1ab.jsonl
+      [ $stage = w1pdl ] && ab=PDL=1 || ab=${AB_KNOBS:-GEMM_SWAP_ROWS=64}
+      for knobs in "" $ab; do
         timeout ${W1_TIMEOUT:-240} python3 scripts/bench.py --workload W1 --modes async --sampling t1 \
-          ${knobs:+--decode-knobs $knobs} --out "$OUT/w1pdl.jsonl" > "$OUT/w1pdl${knobs:+_pdl}.log" 2>&1
+          ${knobs:+--decode-knobs $knobs} --out "$OUT/$stage.jsonl" > "$OUT/$stage${knobs:+_${knobs//[=,]/_}}.log" 2>&1
       done
-      summary "$OUT/w1pdl.jsonl" ;;
+      summary "$OUT/$stage.jsonl" ;;
     w1uniform)  # W1 with uniform steps on one wave's count (UNIFORM_ONE_WAVE=1) against the w1 stage's record
       timeout ${W1_TIMEOUT:-240} python3 scripts/bench.py --workload W1 --modes async --sampling t1 \
         --decode-knobs UNIFORM_ONE_WAVE=1 --out "$OUT/w1uniform.jsonl" > "$OUT/w1uniform.log" 2>&1

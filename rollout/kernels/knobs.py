@@ -8,12 +8,14 @@ from types import ModuleType
 
 def knob_module(name: str) -> ModuleType:
     """paged_decode's constants, the stream split's own (STREAM_WAVES, STREAM_SEGS) where paged_decode has none
-    of that name, or programmatic dependent launch's (PDL)."""
+    of that name, programmatic dependent launch's (PDL), or the projections' GEMM's (GEMM_SWAP_ROWS)."""
     import rollout.kernels.paged_decode as pd
     import rollout.kernels.paged_decode_stream as ps
     import rollout.kernels.pdl as pdl
+    import rollout.layers.linear as lin
 
-    for mod in (pd, ps, pdl):
+    mods = (pd, ps, pdl, lin)
+    for mod in mods:
         if hasattr(mod, name) and name.isupper():
             return mod
-    raise ValueError(f"no decode knob named {name!r} in {pd.__name__}, {ps.__name__} or {pdl.__name__}")
+    raise ValueError(f"no decode knob named {name!r} in {', '.join(m.__name__ for m in mods)}")

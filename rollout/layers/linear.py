@@ -3,13 +3,32 @@
 ``LoadSlice`` is how a layer tells the weight mapper where a Hugging Face tensor lands in it: which
 rows of our parameter (a fused projection's part) and, under tensor parallelism, which part of the
 full HF tensor this rank keeps. Layers without ``load_slices`` take their tensor whole.
+
+``linear`` is the projections' GEMM. With ``GEMM_SWAP_ROWS`` set (opt-in, an A/B knob:
+``scripts/bench.py --decode-knobs GEMM_SWAP_ROWS=64``), a batch of at most that many rows asks cuBLAS for the
+transposed product, out^T = W @ x^T, and copies it back to [rows, N]. cuBLAS then sees the weight's rows as its
+M and may pick other tiles: at W1's 32 rows its qkv and o_proj kernels read their weights at ~0.77 of the byte
+floor, against 0.92-0.95 for the wider gate_up and down (H100, bench/results/h100_2026-12-07f_step_profile_w1_*).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
 from torch import nn
+
+GEMM_SWAP_ROWS = 0  # batches of at most this many rows take W @ x^T (0: never; see the module docstring)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; a 2-D ``x`` of at most ``GEMM_SWAP_ROWS`` rows goes through the transposed
+    product (the same sum, another cuBLAS kernel: equal within the GEMM's rounding, not bit for bit)."""
+    if x.dim() == 2 and 0 < x.shape[0] <= GEMM_SWAP_ROWS:
+        out_t = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias[:, None], weight, x.t())
+        return out_t.t().contiguous()
+    return F.linear(x, weight, bias)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +51,9 @@ class MergedLinear(nn.Linear):
         assert output_shards and all(size > 0 for _, size in output_shards), output_shards
         super().__init__(in_features, sum(size for _, size in output_shards), bias=bias)
         self.output_shards = output_shards
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
     def shard_slices(self) -> dict[str, slice]:
         """HF projection name -> its rows in this layer's weight (and bias)."""

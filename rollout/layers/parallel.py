@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout.distributed.group import TPGroup, split_evenly
-from rollout.layers.linear import LoadSlice, MergedLinear
+from rollout.layers.linear import LoadSlice, MergedLinear, linear
 
 # (HF projection name, rows of the full HF tensor, this rank's rows of it)
 ColumnShard = tuple[str, int, slice]
@@ -53,8 +53,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.is_parallel:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(linear(x, self.weight, None))
         return y if self.bias is None else y + self.bias
 
     def load_slices(self, pname: str) -> dict[str | None, LoadSlice]:
