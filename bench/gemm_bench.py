@@ -1,4 +1,4 @@
-"""Decode linears on the GPU: cuBLAS (``torch.nn.functional.linear``) against bench/skinny_gemm.py, per shape.
+"""Decode linears on the GPU: cuBLAS (``torch.nn.functional.linear``) against rollout/kernels/skinny_gemm.py, per shape.
 
     python bench/gemm_bench.py --preset qwen2.5-1.5b --batches 8,32,128,256 --out $OUT/gemm.jsonl   # ~3 min, H200
 
@@ -46,7 +46,7 @@ def sweep(m: int) -> list:
     """Configs to time beside the chosen one: every K split and weight-tile width at the rows' tile."""
     import triton
 
-    from bench.skinny_gemm import GemmConfig
+    from rollout.kernels.skinny_gemm import GemmConfig
 
     block_m = min(128, max(16, triton.next_power_of_2(m)))
     warps = 4 if block_m <= 64 else 8
@@ -55,7 +55,7 @@ def sweep(m: int) -> list:
 
 def time_shape(name: str, n: int, k: int, bias: bool, m: int, bw: float, do_sweep: bool) -> dict:
     from bench.kernels_bench import graph_ms
-    from bench.skinny_gemm import choose_config, skinny_linear
+    from rollout.kernels.skinny_gemm import choose_config, skinny_linear
 
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count

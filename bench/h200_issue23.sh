@@ -18,7 +18,8 @@
 #   w1       W1 (llama3-8b, 32 x 128 -> 8192) at t1: the floor-ratio bar of 0.90 (~2.5 min)
 #   w1cmp    W1 with --compare-legacy (~5 min); w1_profile: its step's kernels, plain launches vs PDL (~2 min);
 #            w1pdl: W1 with plain launches, then with programmatic dependent launch (PDL=1, ~5 min); w1ab: W1
-#            plain, then with each of AB_KNOBS (default GEMM_SWAP_ROWS=64: cuBLAS's transposed product, ~4 min);
+#            plain, then with each of AB_KNOBS (default "GEMM_SWAP_ROWS=64 SKINNY_GEMM_ROWS=64": cuBLAS's
+#            transposed product, then the split-K Triton GEMM, for the projections; ~6 min);
 #            w1uniform: W1 with UNIFORM_ONE_WAVE=1 (its uniform steps on one wave's count, ~2.5 min)
 #   partial  bench/partial_rollout.py at W2's 16K tail, drain vs partial (PARTIAL_MODES=drain to split calls);
 #            PARTIAL_WARMUP rounds (default 1) are left out of steady_handed_out_tok_s, the bar's rate; no round
@@ -110,7 +111,7 @@ for stage in "$@"; do
         --ctxs 3072 --kv bf16,fp8 --no-prefill --compare-even > "$OUT/kernels_even_short.jsonl" 2> "$OUT/even_short.err"
       python3 bench/even_rule.py "$OUT/kernels_even_short.jsonl" ;;
     gemm)
-      # the decode linears: cuBLAS vs bench/skinny_gemm.py (split-K Triton) at W2's batch sizes (~3 min)
+      # the decode linears: cuBLAS vs rollout/kernels/skinny_gemm.py (split-K Triton) at W2's batch sizes (~3 min)
       timeout 280 python3 bench/gemm_bench.py --preset qwen2.5-1.5b --batches 8,32,128,256 --out "$OUT/gemm.jsonl" \
         2> "$OUT/gemm.err" | gemm_summary ;;
     w1_gemm)  # W1's linears (llama3-8b, M=32): cuBLAS against the split-K Triton GEMM; its qkv and o_proj ran at
@@ -137,9 +138,9 @@ for stage in "$@"; do
       timeout ${W1_TIMEOUT:-420} python3 scripts/bench.py --workload W1 --modes async --sampling t1 --compare-legacy \
         "${KNOB_ARGS[@]}" --out "$OUT/w1cmp$SUFFIX.jsonl" > "$OUT/w1cmp$SUFFIX.log" 2>&1
       summary "$OUT/w1cmp$SUFFIX.jsonl" ;;
-    w1pdl|w1ab)  # W1 plain, then with each of AB_KNOBS (w1pdl: PDL=1; w1ab: GEMM_SWAP_ROWS=64, cuBLAS's transposed
-      # product for the projections), on one machine (~2 min a run); w1pdl.jsonl / w1ab.jsonl
-      [ $stage = w1pdl ] && ab=PDL=1 || ab=${AB_KNOBS:-GEMM_SWAP_ROWS=64}
+    w1pdl|w1ab)  # W1 plain, then with each of AB_KNOBS (w1pdl: PDL=1; w1ab: the projections' GEMM knobs), on one
+      # machine (~2 min a run); w1pdl.jsonl / w1ab.jsonl
+      [ $stage = w1pdl ] && ab=PDL=1 || ab=${AB_KNOBS:-GEMM_SWAP_ROWS=64 SKINNY_GEMM_ROWS=64}
       for knobs in "" $ab; do
         timeout ${W1_TIMEOUT:-240} python3 scripts/bench.py --workload W1 --modes async --sampling t1 \
           ${knobs:+--decode-knobs $knobs} --out "$OUT/$stage.jsonl" > "$OUT/$stage${knobs:+_${knobs//[=,]/_}}.log" 2>&1

@@ -38,8 +38,8 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 def test_off_by_default_and_set_by_bench_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.script_helpers import load_script
 
-    assert lin.GEMM_SWAP_ROWS == 0
-    assert knob_module("GEMM_SWAP_ROWS") is lin
+    assert lin.GEMM_SWAP_ROWS == 0 and lin.SKINNY_GEMM_ROWS == 0
+    assert knob_module("GEMM_SWAP_ROWS") is lin and knob_module("SKINNY_GEMM_ROWS") is lin
     monkeypatch.setattr(lin, "GEMM_SWAP_ROWS", 0)
     bench = load_script("bench")
     bench.apply_decode_knobs(bench.parse_decode_knobs("GEMM_SWAP_ROWS=64"))

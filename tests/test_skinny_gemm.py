@@ -1,4 +1,4 @@
-"""bench/skinny_gemm.py (the decode-shaped GEMM timed against cuBLAS by bench/gemm_bench.py) against
+"""rollout/kernels/skinny_gemm.py (the decode-shaped GEMM timed against cuBLAS by bench/gemm_bench.py) against
 ``torch.nn.functional.linear``, in the Triton interpreter (a child process, as tests/test_kernels.py does)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from tests.interpreter import child_main, child_verdicts
 
 
 def _load():
-    from tests.script_helpers import load_bench
+    import rollout.kernels.skinny_gemm as sg
 
-    return load_bench("skinny_gemm")
+    return sg
 
 
 def check_linear(m: int, n: int, k: int, bias: bool, config: tuple | None = None) -> None:
@@ -53,7 +53,30 @@ def check_choose_config() -> None:
                          counters=torch.zeros(2, dtype=torch.int32))
 
 
+def check_linear_knob() -> None:
+    """SKINNY_GEMM_ROWS routes a projection of at most that many rows (unit stride along K) through the kernel, with
+    linear's result; more rows, or a strided ``x``, stay on F.linear; it goes before GEMM_SWAP_ROWS."""
+    import rollout.layers.linear as lin
+
+    sg = _load()
+    calls, kernel = [], sg.skinny_linear
+    sg.skinny_linear = lambda *a, **kw: calls.append(a[0].shape[0]) or kernel(*a, **kw)
+    lin.SKINNY_GEMM_ROWS, lin.GEMM_SWAP_ROWS = 8, 8
+    try:
+        gen = torch.Generator().manual_seed(1)
+        w, b = torch.randn(40, 96, generator=gen) / 10, torch.randn(40, generator=gen)
+        for rows in (3, 8, 9):
+            x = torch.randn(rows, 96, generator=gen)
+            torch.testing.assert_close(lin.linear(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
+        strided = torch.randn(96, 4, generator=gen).t()  # [4, 96], stride 4 along K
+        lin.linear(strided, w, None)
+        assert calls == [3, 8], calls
+    finally:
+        sg.skinny_linear, lin.SKINNY_GEMM_ROWS, lin.GEMM_SWAP_ROWS = kernel, 0, 0
+
+
 CHECKS = {
+    "linear_knob": check_linear_knob,
     "one_split_with_bias": lambda: check_linear(5, 70, 96, True, (16, 64, 32, 1)),
     "split_k_rows_past_one_tile": lambda: check_linear(37, 130, 200, True, (16, 64, 32, 3)),
     "split_k_ragged_k_no_bias": lambda: check_linear(3, 64, 100, False, (16, 32, 32, 4)),

@@ -8,7 +8,8 @@ from types import ModuleType
 
 def knob_module(name: str) -> ModuleType:
     """paged_decode's constants, the stream split's own (STREAM_WAVES, STREAM_SEGS) where paged_decode has none
-    of that name, programmatic dependent launch's (PDL), or the projections' GEMM's (GEMM_SWAP_ROWS)."""
+    of that name, programmatic dependent launch's (PDL), or the projections' GEMM's (GEMM_SWAP_ROWS,
+    SKINNY_GEMM_ROWS)."""
     import rollout.kernels.paged_decode as pd
     import rollout.kernels.paged_decode_stream as ps
     import rollout.kernels.pdl as pdl

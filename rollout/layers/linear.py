@@ -9,6 +9,9 @@ full HF tensor this rank keeps. Layers without ``load_slices`` take their tensor
 transposed product, out^T = W @ x^T, and copies it back to [rows, N]. cuBLAS then sees the weight's rows as its
 M and may pick other tiles: at W1's 32 rows its qkv and o_proj kernels read their weights at ~0.77 of the byte
 floor, against 0.92-0.95 for the wider gate_up and down (H100, bench/results/h100_2026-12-07f_step_profile_w1_*).
+With ``SKINNY_GEMM_ROWS`` set (opt-in, the same kind of knob), such a batch goes through the split-K Triton GEMM
+instead (``rollout/kernels/skinny_gemm.py``: K split as well as N, so a few rows still cover every SM). The first
+knob that matches wins: SKINNY_GEMM_ROWS, then GEMM_SWAP_ROWS.
 """
 
 from __future__ import annotations
@@ -20,12 +23,19 @@ import torch.nn.functional as F
 from torch import nn
 
 GEMM_SWAP_ROWS = 0  # batches of at most this many rows take W @ x^T (0: never; see the module docstring)
+SKINNY_GEMM_ROWS = 0  # batches of at most this many rows take the split-K Triton GEMM (0: never)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; a 2-D ``x`` of at most ``GEMM_SWAP_ROWS`` rows goes through the transposed
-    product (the same sum, another cuBLAS kernel: equal within the GEMM's rounding, not bit for bit)."""
-    if x.dim() == 2 and 0 < x.shape[0] <= GEMM_SWAP_ROWS:
+    """``F.linear(x, weight, bias)``; a 2-D ``x`` of at most ``SKINNY_GEMM_ROWS`` rows (unit stride along K) goes
+    through the split-K Triton GEMM, else one of at most ``GEMM_SWAP_ROWS`` rows through the transposed product
+    (the same sums by other kernels: equal within the GEMM's rounding, not bit for bit)."""
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if 0 < rows <= SKINNY_GEMM_ROWS and x.stride(1) == 1 and weight.stride(1) == 1:
+        from rollout.kernels.skinny_gemm import skinny_linear
+
+        return skinny_linear(x, weight, bias)
+    if 0 < rows <= GEMM_SWAP_ROWS:
         out_t = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias[:, None], weight, x.t())
         return out_t.t().contiguous()
     return F.linear(x, weight, bias)

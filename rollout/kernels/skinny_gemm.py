@@ -1,4 +1,4 @@
-"""A decode-shaped GEMM in Triton, to time against cuBLAS before it goes anywhere near the engine (issue 23.2).
+"""A decode-shaped GEMM in Triton: split K as well as N so a few rows cover the machine (issue 23.2).
 
 A decode step's linears multiply a few rows (the batch, M <= 512) by a weight read once per step: out[M, N] =
 x[M, K] @ W[N, K]^T (+ bias). Their floor is the weight bytes over the bandwidth. On the H200 (322d99f,
@@ -14,7 +14,9 @@ few columns. This kernel covers the machine by splitting K as well as N:
   engine's batch-invariance tests want that). ``fused=False`` sums them in a second kernel instead.
 
 ``bench/gemm_bench.py`` times it (and a sweep of tiles and splits) against ``torch.nn.functional.linear`` at the
-model's shapes; it moves into ``rollout/kernels/`` only if it wins there.
+model's shapes. At qwen2.5-1.5b's shapes it lost to cuBLAS (H200, bench/results/h200_2026-12-03e_gemm_304158d.jsonl);
+at llama3-8b's qkv and o_proj, where cuBLAS reads at ~0.77 of the byte floor with 32 rows, it is untimed. The
+engine's projections take it only behind ``rollout.layers.linear.SKINNY_GEMM_ROWS`` (opt-in, an A/B knob).
 """
 
 from __future__ import annotations
