@@ -665,7 +665,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "choose_num_splits) instead of chunks balanced over the live lengths; the balanced record "
                         "carries vs_legacy")
     p.add_argument("--decode-knobs", default="", metavar="NAME=INT[,...]",
-                   help="set rollout.kernels.paged_decode's tuning constants for the whole run (A/B of a change "
+                   help="set the decode path's tuning constants (the decode kernels', PDL, the projections' GEMM) for "
+                        "the whole run (A/B of a change "
                         f"that is off by default): {', '.join(DECODE_KNOBS)}; every record carries decode_knobs")
     p.add_argument("--out", default=None)
     return p
@@ -694,7 +695,8 @@ def parse_decode_knobs(text: str) -> dict[str, int]:
 
 
 def apply_decode_knobs(knobs: dict[str, int]) -> None:
-    """Set the decode kernel module's constants (read at each call, so engines built later use them)."""
+    """Set each knob's module constant (rollout.kernels.knobs.knob_module: the decode kernels', PDL's, the
+    projections' GEMM's; read at each call, so engines built later use them)."""
     from rollout.layers.triton_backend import TritonAttentionBackend
 
     for name, value in knobs.items():

@@ -30,6 +30,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """``F.linear(x, weight, bias)``; a 2-D ``x`` of at most ``SKINNY_GEMM_ROWS`` rows (unit stride along K) goes
     through the split-K Triton GEMM, else one of at most ``GEMM_SWAP_ROWS`` rows through the transposed product
     (the same sums by other kernels: equal within the GEMM's rounding, not bit for bit)."""
+    if not (SKINNY_GEMM_ROWS or GEMM_SWAP_ROWS):  # the default: one check, then cuBLAS as nn.Linear calls it
+        return F.linear(x, weight, bias)
     rows = x.shape[0] if x.dim() == 2 else 0
     if 0 < rows <= SKINNY_GEMM_ROWS and x.stride(1) == 1 and weight.stride(1) == 1:
         from rollout.kernels.skinny_gemm import skinny_linear
