@@ -54,7 +54,8 @@ def _body(i: int) -> dict:
             "seed": i, "temperature": 1.0, "ignore_eos": True, "logprobs": 0}
 
 
-async def _client(http: httpx.AsyncClient, c: int, done: list) -> None:
+async def _client(http: httpx.AsyncClient, c: int, done: list, streamed: dict) -> None:
+    """``streamed``: request -> what its stream sent, (tokens, finish_reason) per chunk (a short answer's clue)."""
     for r in range(REQUESTS):
         i = c * REQUESTS + r
         kind = KINDS[i % len(KINDS)]
@@ -75,15 +76,17 @@ async def _client(http: httpx.AsyncClient, c: int, done: list) -> None:
             done.append((i, body["prompt"], body, ch["token_ids"], ch["logprobs"]["token_logprobs"],
                          ch["policy_versions"]))
         else:
-            ids, lps, versions = [], [], []
+            ids, lps, versions, events = [], [], [], []
             async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
                 assert resp.status_code == 200
                 async for line in resp.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
+                        events.append(line[:40])
                         continue
                     chunk = json.loads(line[6:])
                     assert "error" not in chunk, chunk
                     for ch in chunk["choices"]:
+                        events.append((len(ch["token_ids"]), ch["finish_reason"]))
                         ids += ch["token_ids"]
                         lps += ch["logprobs"]["token_logprobs"]
                         versions += ch["policy_versions"]
@@ -93,6 +96,7 @@ async def _client(http: httpx.AsyncClient, c: int, done: list) -> None:
                         await asyncio.sleep(0.1)
             if kind != "disconnect":
                 done.append((i, body["prompt"], body, ids, lps, versions))
+                streamed[i] = events
 
 
 BAD = [
@@ -156,7 +160,7 @@ def test_many_clients_bad_requests_and_weight_pushes_at_once(env):
     rss0 = _rss_mib(server.proc.pid)
     stop_push, push_errors = threading.Event(), []
     pusher = threading.Thread(target=_pusher, args=(client, models, stop_push, push_errors), daemon=True)
-    done, counts = [], {"bad": 0, "stalled": 0}
+    done, counts, streamed = [], {"bad": 0, "stalled": 0}, {}
 
     async def run() -> float:
         limits = httpx.Limits(max_connections=CLIENTS + 8, max_keepalive_connections=CLIENTS + 8)
@@ -164,7 +168,7 @@ def test_many_clients_bad_requests_and_weight_pushes_at_once(env):
             stop = asyncio.Event()
             bad = asyncio.ensure_future(_bad_client(http, url, stop, counts))
             t0 = time.monotonic()
-            await asyncio.gather(*[_client(http, c, done) for c in range(CLIENTS)])
+            await asyncio.gather(*[_client(http, c, done, streamed) for c in range(CLIENTS)])
             took = time.monotonic() - t0
             stop.set()
             await bad
@@ -193,7 +197,7 @@ def test_many_clients_bad_requests_and_weight_pushes_at_once(env):
     assert len(done) == sum(KINDS[i % len(KINDS)] != "disconnect" for i in range(CLIENTS * REQUESTS))
     single: dict[int, list] = {}
     for i, prompt, body, ids, lps, versions in done:
-        assert len(ids) == len(lps) == len(versions) == body["max_tokens"], i
+        assert len(ids) == len(lps) == len(versions) == body["max_tokens"], (i, streamed.get(i))
         assert versions == sorted(versions) and set(versions) <= set(range(final + 1))
         if len(set(versions)) == 1:
             single.setdefault(versions[0], []).append((prompt, body, ids, lps))
