@@ -16,6 +16,8 @@
 #   kernels  decode kernels at W2's shapes: balanced / planned / planned_all_waves (the one-wave cut of even
 #            lengths off) / fp8 V copied page by page (v_pages) / fixed split (bench/kernels_bench.py)
 #   w1       W1 (llama3-8b, 32 x 128 -> 8192) at t1: the floor-ratio bar of 0.90 (~2.5 min)
+#   w1tune, w2tune  W1 / W2 bf16 with --gemm-autotune (engine gemm_autotune: each graph size's projections on the
+#            GEMM method timed fastest; records carry gemm_picks), against the w1 / w2 stage in the same call
 #   w1cmp    W1 with --compare-legacy (~5 min); w1_profile: its step's kernels, plain launches vs PDL (~2 min);
 #            w1pdl: W1 with plain launches, then with programmatic dependent launch (PDL=1, ~5 min); w1ab: W1
 #            plain, then with each of AB_KNOBS (default "GEMM_SWAP_ROWS=64 SKINNY_GEMM_ROWS=64": cuBLAS's
@@ -58,6 +60,9 @@ for line in open(sys.argv[1]):
             print("  by batch:", r["decode_by_batch"])
         for kind, table in (r.get("decode_by_kind") or {}).items():  # the same within each split kind
             print(f"  {kind}:", table)
+        for p in r.get("gemm_picks") or []:  # --gemm-autotune: the projections that left cuBLAS, and the margins
+            if p["method"] != "cublas":
+                print("  gemm pick:", p)
 PY
 }
 gemm_summary() {  # bench/gemm_bench.py's lines on stdin: microseconds per linear, cuBLAS against ours
@@ -130,6 +135,12 @@ for stage in "$@"; do
       timeout ${W2_TIMEOUT:-570} python3 scripts/bench.py --workload W2 --modes async --kv-cache-dtype auto,fp8 --logprob-check 8 \
         --sampling t1 "${KNOB_ARGS[@]}" --out "$OUT/w2$SUFFIX.jsonl" > "$OUT/w2$SUFFIX.log" 2>&1
       summary "$OUT/w2$SUFFIX.jsonl" ;;
+    w1tune|w2tune)  # W1 / W2 (bf16) with --gemm-autotune (each graph size's projections on their fastest GEMM);
+      # the plain w1 / w2 stage in the same call is the baseline
+      wl=W1; [ $stage = w2tune ] && wl=W2
+      timeout ${TUNE_TIMEOUT:-300} python3 scripts/bench.py --workload $wl --modes async --sampling t1 --gemm-autotune \
+        "${KNOB_ARGS[@]}" --out "$OUT/$stage$SUFFIX.jsonl" > "$OUT/$stage$SUFFIX.log" 2>&1
+      summary "$OUT/$stage$SUFFIX.jsonl" ;;
     w1)  # issue 23.2's W1 bar (>= 0.90 of the floor): llama3-8b, 32 x 128 -> 8192, t1
       timeout ${W1_TIMEOUT:-220} python3 scripts/bench.py --workload W1 --modes async --sampling t1 \
         "${KNOB_ARGS[@]}" --out "$OUT/w1$SUFFIX.jsonl" > "$OUT/w1$SUFFIX.log" 2>&1

@@ -31,6 +31,7 @@ class EngineConfig:
     turn_prefill_hold_steps: int = 0  # a conversation's environment reply waits <= this many steps to batch (turns.py)
     turn_rows_max_tokens: int = 0  # an environment reply of <= this many tokens runs as decode rows (graphs); 0 = off
     max_num_rows: int | None = None  # a step's rows (one per sequence, plus replies' rows); None = max_num_seqs
+    gemm_autotune: bool = False  # CUDA: time each projection's GEMM methods per decode graph size (layers/gemm_tune.py)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch_size"):
@@ -72,10 +73,11 @@ class EngineConfig:
                 "kv_cache_dtype='fp8' needs attention_backend 'triton', 'torch' or 'auto', "
                 f"not {self.attention_backend!r} (it reads no cache with per-token fp8 scales)"
             )
-        for name in ("enable_prefix_caching", "async_mode", "cuda_graphs"):
+        for name in ("enable_prefix_caching", "async_mode", "cuda_graphs", "gemm_autotune"):
             value = getattr(self, name)
-            if not (isinstance(value, bool) or (value is None and name != "enable_prefix_caching")):
-                allowed = "true or false" if name == "enable_prefix_caching" else "true, false or null (auto)"
+            strict = name in ("enable_prefix_caching", "gemm_autotune")
+            if not (isinstance(value, bool) or (value is None and not strict)):
+                allowed = "true or false" if strict else "true, false or null (auto)"
                 raise TypeError(f"{name} must be {allowed}, got {value!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {self.seed!r}")

@@ -314,6 +314,8 @@ def make_engine(hf: torch.nn.Module, w: dict, params: list[SamplingParams], mode
                 async_mode=(mode == "async"), kv_cache_dtype=args.kv_cache_dtype)
     bs = getattr(args, "block_size", None) or EngineConfig().block_size
     opts.update(block_size=bs, attention_backend=getattr(args, "attention_backend", "auto"))
+    if getattr(args, "gemm_autotune", False):
+        opts["gemm_autotune"] = True
     frac = getattr(args, "kv_budget_frac", None)
     need = kv_need_blocks(w["prompt_len"], params, bs)
     info = dict(kv_budget_frac=frac, kv_need_blocks=need, preemption=getattr(args, "preemption", None) or "recompute")
@@ -485,6 +487,8 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
         max_len_reached=max(len(c.token_ids) for o in outs for c in o.outputs),
         truncated=sum(len(c.token_ids) < sp.max_tokens for o, sp in zip(outs, params) for c in o.outputs),
     )
+    if getattr(runner, "gemm_picks", None):  # --gemm-autotune: each graph size's tuned projections
+        rec["gemm_picks"] = [p.as_record() for b in sorted(runner.gemm_picks) for p in runner.gemm_picks[b]]
     if push_rec is not None:
         rec.update(push_rec, workload=f"{name}+push")
     print(f"{rec['workload']} {mode} kv={rec['kv_cache_dtype']} budget={rec['kv_budget_frac']} "
@@ -668,6 +672,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="set the decode path's tuning constants (the decode kernels', PDL, the projections' GEMM) for "
                         "the whole run (A/B of a change "
                         f"that is off by default): {', '.join(DECODE_KNOBS)}; every record carries decode_knobs")
+    p.add_argument("--gemm-autotune", action="store_true",
+                   help="engine gemm_autotune: before each decode graph size's first capture, time the projections' "
+                        "GEMM methods (cuBLAS, its transposed product, the split-K Triton GEMM) and keep the fastest; "
+                        "records carry gemm_picks")
     p.add_argument("--out", default=None)
     return p
 

@@ -26,21 +26,42 @@ GEMM_SWAP_ROWS = 0  # batches of at most this many rows take W @ x^T (0: never; 
 SKINNY_GEMM_ROWS = 0  # batches of at most this many rows take the split-K Triton GEMM (0: never)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; a 2-D ``x`` of at most ``SKINNY_GEMM_ROWS`` rows (unit stride along K) goes
-    through the split-K Triton GEMM, else one of at most ``GEMM_SWAP_ROWS`` rows through the transposed product
-    (the same sums by other kernels: equal within the GEMM's rounding, not bit for bit)."""
-    if not (SKINNY_GEMM_ROWS or GEMM_SWAP_ROWS):  # the default: one check, then cuBLAS as nn.Linear calls it
-        return F.linear(x, weight, bias)
-    rows = x.shape[0] if x.dim() == 2 else 0
-    if 0 < rows <= SKINNY_GEMM_ROWS and x.stride(1) == 1 and weight.stride(1) == 1:
+GEMM_METHODS = ("cublas", "swap", "skinny")  # what a projection's GEMM can run as (``gemm``)
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, method: str) -> torch.Tensor:
+    """``x @ weight^T + bias`` by ``method``: "cublas" (F.linear), "swap" (cuBLAS's transposed product W @ x^T,
+    copied back to [rows, N]) or "skinny" (the split-K Triton GEMM; 2-D ``x`` and ``weight`` with unit stride
+    along K). The same sums by other kernels: equal within the GEMM's rounding, not bit for bit."""
+    if method == "skinny":
         from rollout.kernels.skinny_gemm import skinny_linear
 
         return skinny_linear(x, weight, bias)
-    if 0 < rows <= GEMM_SWAP_ROWS:
+    if method == "swap":
         out_t = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias[:, None], weight, x.t())
         return out_t.t().contiguous()
+    if method != "cublas":
+        raise ValueError(f"GEMM method must be one of {GEMM_METHODS}, got {method!r}")
     return F.linear(x, weight, bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           by_rows: dict[int, str] | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; a 2-D ``x`` of at most ``SKINNY_GEMM_ROWS`` rows (unit stride along K) goes
+    through the split-K Triton GEMM, else one of at most ``GEMM_SWAP_ROWS`` rows through the transposed product,
+    else one whose row count ``by_rows`` names (the layer's tuned choices, ``rollout.layers.gemm_tune``) through
+    that method."""
+    if not (SKINNY_GEMM_ROWS or GEMM_SWAP_ROWS or by_rows):  # the default: one check, then cuBLAS as nn.Linear
+        return F.linear(x, weight, bias)
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if 0 < rows <= SKINNY_GEMM_ROWS and x.stride(1) == 1 and weight.stride(1) == 1:
+        return gemm(x, weight, bias, "skinny")
+    if 0 < rows <= GEMM_SWAP_ROWS:
+        return gemm(x, weight, bias, "swap")
+    method = by_rows.get(rows) if by_rows and rows else None
+    if method is None or (method == "skinny" and not (x.stride(1) == 1 and weight.stride(1) == 1)):
+        return F.linear(x, weight, bias)
+    return gemm(x, weight, bias, method)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +84,10 @@ class MergedLinear(nn.Linear):
         assert output_shards and all(size > 0 for _, size in output_shards), output_shards
         super().__init__(in_features, sum(size for _, size in output_shards), bias=bias)
         self.output_shards = output_shards
+        self.gemm_by_rows: dict[int, str] = {}  # rows -> GEMM method, set by rollout.layers.gemm_tune
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.gemm_by_rows)
 
     def shard_slices(self) -> dict[str, slice]:
         """HF projection name -> its rows in this layer's weight (and bias)."""

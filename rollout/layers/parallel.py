@@ -50,11 +50,12 @@ class RowParallelLinear(nn.Linear):
         cols = tp.split(in_features, what)
         super().__init__(cols.stop - cols.start, out_features, bias=bias)
         self.cols, self.full_in, self.tp = cols, in_features, tp
+        self.gemm_by_rows: dict[int, str] = {}  # rows -> GEMM method, set by rollout.layers.gemm_tune
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.is_parallel:
-            return linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(linear(x, self.weight, None))
+            return linear(x, self.weight, self.bias, self.gemm_by_rows)
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.gemm_by_rows))
         return y if self.bias is None else y + self.bias
 
     def load_slices(self, pname: str) -> dict[str | None, LoadSlice]:

@@ -64,11 +64,11 @@ def test_async_sync_eager_same_greedy_tokens(family):
     assert diverged <= 3
 
 
-def bf16_logprob_diff_vs_hf(hf) -> float:
-    """A bf16 engine on ``hf`` samples 8 prompts x 32 tokens (t=1, seeded); the mean |logprob diff| of its tokens
-    against HF's teacher-forced ones."""
+def bf16_logprob_diff_vs_hf(hf, **engine_opts) -> float:
+    """A bf16 engine on ``hf`` (and ``engine_opts``) samples 8 prompts x 32 tokens (t=1, seeded); the mean
+    |logprob diff| of its tokens against HF's teacher-forced ones."""
     prompts = _prompts(8, 4096, seed=1)
-    eng = Engine.from_pretrained(hf, dtype="bfloat16", max_model_len=1024, num_blocks=2048)
+    eng = Engine.from_pretrained(hf, dtype="bfloat16", max_model_len=1024, num_blocks=2048, **engine_opts)
     outs = eng.generate(prompts, SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, seed=0))
     diffs = []
     with torch.no_grad():

@@ -23,5 +23,5 @@ def build_runner(model: torch.nn.Module, kv: KVCache, c: EngineConfig, attn: Att
         model, kv, c.block_size, attn.build(), device,
         max_num_seqs=c.max_num_seqs, max_num_rows=c.num_rows, max_num_batched_tokens=c.max_num_batched_tokens,
         max_model_len=max_model_len, cuda_graphs=use_cuda_graphs(c.cuda_graphs, attn.backend),
-        max_graph_batch_size=c.max_graph_batch_size,
+        max_graph_batch_size=c.max_graph_batch_size, gemm_autotune=c.gemm_autotune,
     )

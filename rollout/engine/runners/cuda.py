@@ -35,6 +35,7 @@ from rollout.engine.runners.io_slot import IOSlot, SlotShape
 from rollout.engine.runners.kv_cache import KVCache
 from rollout.engine.runners.penalties import PenaltyRows
 from rollout.engine.runners.prompt_logprobs import PromptLogprobs
+from rollout.layers.gemm_tune import GemmPick, tune_gemms
 from rollout.layers.sampler import Penalties
 
 _NO_PENALTIES = (1.0, 0.0, 0.0)
@@ -95,7 +96,7 @@ class CudaRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCache, block_size: int,
                  attn_backend: object, device: torch.device, *, max_num_seqs: int, max_num_rows: int,
                  max_num_batched_tokens: int, max_model_len: int, cuda_graphs: bool,
-                 max_graph_batch_size: int) -> None:
+                 max_graph_batch_size: int, gemm_autotune: bool = False) -> None:
         self.model, self.kv, self.block_size = model, kv, block_size
         self.attn_backend, self.device = attn_backend, device
         self.shape = SlotShape(
@@ -111,6 +112,8 @@ class CudaRunner:
         self.graph_sizes = graph_sizes(max_graph_batch_size, max_num_rows)
         self.graphs: dict[tuple[int, int, tuple[bool, ...], int], torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
+        self.gemm_autotune = gemm_autotune
+        self.gemm_picks: dict[int, list[GemmPick]] = {}  # graph size -> its projections' tuned GEMMs
         self._next_slot = 0
         self._last_rows: dict[int, int] = {}  # seq_id -> its sample's row in the previous step's output buffer
         self.clock = StepClock()
@@ -304,6 +307,8 @@ class CudaRunner:
         key = (slot.index, b, variant, even)
         graph = self.graphs.get(key)
         if graph is None:
+            if self.gemm_autotune and b not in self.gemm_picks:  # before the warm-up, which compiles the picks
+                self.gemm_picks[b] = tune_gemms(self.model, b)
             # Warm up eagerly (compiles Triton kernels; computes exactly what the replay recomputes),
             # then capture on the compute stream into the shared pool.
             self._forward(slot, b, b, b, None, variant, count=False, even=even)
