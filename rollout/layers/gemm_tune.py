@@ -10,7 +10,8 @@ split-K Triton GEMM (``skinny``).
 
 Before the CUDA runner captures a batch size's first graph, ``tune_gemms`` times each method on every group of
 projections with one weight shape (all of the group's layers in turn, so the weights stream from memory as in a
-step rather than sitting in L2) and writes the winner into each layer's ``gemm_by_rows``. A method other than
+step rather than sitting in L2; replayed from a CUDA graph, as a decode step runs them) and writes the winner into
+each layer's ``gemm_by_rows``. A method other than
 cuBLAS wins only when it is faster by more than ``margin`` (3%): near a tie the choice would flip between runs
 with the timing noise, and with it the GEMM's rounding. The choices are recorded (``GemmPick``) for the bench's
 records. On a CPU nothing is tuned.
@@ -56,18 +57,23 @@ def tunable_linears(model: nn.Module) -> dict[tuple, list[nn.Module]]:
     return groups
 
 
-def cuda_timer(reps: int = 5, warmup: int = 1) -> Timer:
-    """Times ``fn`` on the current CUDA stream: ``warmup`` calls (compiles, cuBLAS's first-call set-up), then
-    the mean of ``reps`` calls between two events."""
+def cuda_timer(reps: int = 10) -> Timer:
+    """Times ``fn`` as a step runs it, from a CUDA graph: one eager call (compiles, cuBLAS's set-up), one capture,
+    then the mean of ``reps`` replays between two events. Timed eagerly instead, the launches of a group's small
+    GEMMs would outpace nothing: the host's launch rate, not the kernels, would set the time (and the transposed
+    product's extra copy would count as a launch more)."""
 
     def time_us(fn: Callable[[], object]) -> float:
-        for _ in range(warmup):
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
             fn()
+        graph.replay()  # the first replay uploads the graph
         stream = torch.cuda.current_stream()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
         for _ in range(reps):
-            fn()
+            graph.replay()
         end.record(stream)
         end.synchronize()
         return start.elapsed_time(end) * 1e3 / reps
