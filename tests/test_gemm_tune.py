@@ -70,6 +70,32 @@ def test_groups_by_shape_and_picks_the_fastest_past_the_margin(monkeypatch: pyte
         gt.tune_gemms(m, 8, timer=timer, margin=1.5)
 
 
+def test_a_method_that_fails_is_left_out(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The transposed product raising while it is timed (as a Triton compile or a capture could on some GPU): the
+    group is tuned without it, with a warning naming it, and nothing else changes; cuBLAS failing is an error."""
+    m = _layers()
+    costs = {(12, 16): {"cublas": 10.0, "swap": 1.0}, (24, 16): {"cublas": 10.0, "swap": 1.0}}
+    timer = FakeTimer(monkeypatch, costs)
+
+    def failing(fn) -> float:
+        t = timer(fn)
+        if timer.timed[-1][1] == "swap":
+            raise RuntimeError("compile failed")
+        return t
+
+    picks = gt.tune_gemms(m, 8, timer=failing)
+    assert {p.method for p in picks} == {"cublas"} and all(dict(p.us).keys() == {"cublas"} for p in picks)
+    assert m.a.gemm_by_rows == {8: "cublas"}
+    assert "gemm_autotune: swap failed at 8 rows on weights [12, 16]; skipped" in caplog.text
+
+    def cublas_fails(fn) -> float:
+        timer(fn)
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        gt.tune_gemms(m, 16, timer=cublas_fails)
+
+
 def test_layers_run_their_pick_for_that_row_count_only(monkeypatch: pytest.MonkeyPatch) -> None:
     m = _layers()
     m.a.gemm_by_rows.update({4: "swap"})

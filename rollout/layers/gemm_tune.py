@@ -13,12 +13,14 @@ projections with one weight shape (all of the group's layers in turn, so the wei
 step rather than sitting in L2; replayed from a CUDA graph, as a decode step runs them) and writes the winner into
 each layer's ``gemm_by_rows``. A method other than
 cuBLAS wins only when it is faster by more than ``margin`` (3%): near a tie the choice would flip between runs
-with the timing noise, and with it the GEMM's rounding. The choices are recorded (``GemmPick``) for the bench's
-records. On a CPU nothing is tuned.
+with the timing noise, and with it the GEMM's rounding. An alternative that fails to run (a Triton compile, a
+capture) is logged and left out; the engine keeps serving on the others. The choices are recorded (``GemmPick``) for
+the bench's records. On a CPU nothing is tuned.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -26,6 +28,8 @@ import torch
 from torch import nn
 
 from rollout.layers.linear import GEMM_METHODS, gemm
+
+log = logging.getLogger(__name__)
 
 Timer = Callable[[Callable[[], object]], float]  # the mean microseconds of one call of fn
 
@@ -108,7 +112,13 @@ def tune_gemms(model: nn.Module, rows: int, *, timer: Timer | None = None, margi
         us = {}
         with torch.inference_mode():
             for m in _methods(x, w0, methods):
-                us[m] = timer_(lambda m=m, x=x, mods=mods: [gemm(x, mod.weight, mod.bias, m) for mod in mods])
+                try:
+                    us[m] = timer_(lambda m=m, x=x, mods=mods: [gemm(x, mod.weight, mod.bias, m) for mod in mods])
+                except Exception:  # noqa: BLE001 - an alternative that fails here (a compile, a capture) is skipped
+                    if m == "cublas":
+                        raise
+                    log.warning("gemm_autotune: %s failed at %d rows on weights %s; skipped", m, rows, list(shape),
+                                exc_info=True)
         best = min(us, key=us.__getitem__)
         if best != "cublas" and us[best] > us["cublas"] * (1.0 - margin):
             best = "cublas"
