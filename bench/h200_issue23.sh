@@ -34,6 +34,7 @@
 #   profile  one decode step's kernels, bf16 vs fp8 (bench/step_profile.py)
 #   even_profile  the same on even lengths (the fixed split every W2 step takes) at B=128 and 256
 #   fm_profile  the same at B=128 and 256 with the fused merge off and on (FUSED_MERGE: no reduce launch)
+#   tail_profile  the same for W2's tail steps (B=8 and 16, long tail to 16K, bf16; ~2 min)
 #   ncu      Nsight Compute of the fp8 decode kernel with V page by page (sectors per copy: ideal is the bar)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -190,6 +191,12 @@ for stage in "$@"; do
       for b in 128 256; do
         timeout 140 python3 bench/step_profile.py --kv auto,fp8 --batch $b --ctx 8192 --lengths even \
           "${KNOB_ARGS[@]}" --out "$OUT/step_profile_even$SUFFIX.jsonl" 2>&1 | tail -9
+      done ;;
+    tail_profile)  # W2's tail steps (fewer than 32 sequences, contexts to 16K: 0.62 of the floor on the H200 at
+      # 3ba43f7, its lowest bucket), kernel by kernel: where a step of few long sequences loses its time
+      for b in 8 16; do
+        timeout 120 python3 bench/step_profile.py --kv auto --batch $b "${KNOB_ARGS[@]}" \
+          --out "$OUT/step_profile_tail$SUFFIX.jsonl" 2>&1 | tail -8
       done ;;
     fm_profile)
       for b in 128 256; do
