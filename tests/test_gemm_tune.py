@@ -4,6 +4,8 @@ than the margin; the layers then run it for that many rows only, and the model's
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,11 +25,15 @@ class FakeTimer:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, costs: dict) -> None:
         self.costs, self.timed, self._last = costs, [], None
+        self.most_alive, refs = 0, []  # outputs of a group's GEMMs held at once (one: each dropped at once)
         real = gt.gemm
 
         def spy(x, weight, bias, method):
             self._last = (tuple(weight.shape), method)
-            return real(x, weight, bias, method)
+            out = real(x, weight, bias, method)
+            refs.append(weakref.ref(out))
+            self.most_alive = max(self.most_alive, sum(r() is not None for r in refs))
+            return out
 
         monkeypatch.setattr(gt, "gemm", spy)
 
@@ -56,6 +62,7 @@ def test_groups_by_shape_and_picks_the_fastest_past_the_margin(monkeypatch: pyte
     picks = gt.tune_gemms(m, 8, timer=timer)
     # on the CPU the Triton GEMM is never timed; swap wins by 10% (taken) and by 2% (under the 3% margin: cuBLAS)
     assert sorted(timer.timed) == [((12, 16), "cublas"), ((12, 16), "swap"), ((24, 16), "cublas"), ((24, 16), "swap")]
+    assert timer.most_alive == 1  # a group's outputs are not kept (in a capture, each reuses the last one's memory)
     assert m.a.gemm_by_rows == m.b.gemm_by_rows == {8: "swap"} and m.c.gemm_by_rows == {8: "cublas"}
     assert not hasattr(m.plain, "gemm_by_rows")
     by_shape = {p.shape: p for p in picks}
