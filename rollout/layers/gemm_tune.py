@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rollout.layers.linear import GEMM_METHODS, gemm
+from rollout.layers.linear import GEMM_METHODS, MergedLinear, gemm
+from rollout.layers.parallel import RowParallelLinear
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +53,11 @@ class GemmPick:
 
 
 def tunable_linears(model: nn.Module) -> dict[tuple, list[nn.Module]]:
-    """The model's projections that take a tuned GEMM (those with ``gemm_by_rows``), grouped by weight shape,
-    dtype and whether they add a bias."""
+    """The model's projections that take a tuned GEMM (the fused and row-parallel ones, which keep
+    ``gemm_by_rows``), grouped by weight shape, dtype and whether they add a bias."""
     groups: dict[tuple, list[nn.Module]] = {}
     for mod in model.modules():
-        if isinstance(getattr(mod, "gemm_by_rows", None), dict) and getattr(mod, "weight", None) is not None:
+        if isinstance(mod, (MergedLinear, RowParallelLinear)):
             w = mod.weight
             groups.setdefault((tuple(w.shape), w.dtype, mod.bias is not None), []).append(mod)
     return groups

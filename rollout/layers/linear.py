@@ -54,13 +54,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if not (SKINNY_GEMM_ROWS or GEMM_SWAP_ROWS or by_rows):  # the default: one check, then cuBLAS as nn.Linear
         return F.linear(x, weight, bias)
     rows = x.shape[0] if x.dim() == 2 else 0
-    if 0 < rows <= SKINNY_GEMM_ROWS and x.stride(1) == 1 and weight.stride(1) == 1:
-        return gemm(x, weight, bias, "skinny")
-    if 0 < rows <= GEMM_SWAP_ROWS:
-        return gemm(x, weight, bias, "swap")
-    method = by_rows.get(rows) if by_rows and rows else None
-    if method is None or (method == "skinny" and not (x.stride(1) == 1 and weight.stride(1) == 1)):
-        return F.linear(x, weight, bias)
+    unit_k = rows > 0 and x.stride(1) == 1 and weight.stride(1) == 1  # what the Triton GEMM reads
+    if 0 < rows <= SKINNY_GEMM_ROWS and unit_k:
+        method = "skinny"
+    elif 0 < rows <= GEMM_SWAP_ROWS:
+        method = "swap"
+    else:
+        method = by_rows.get(rows) if by_rows and rows else None
+        if method is None or (method == "skinny" and not unit_k):  # no pick for this many rows, or none usable
+            return F.linear(x, weight, bias)
     return gemm(x, weight, bias, method)
 
 
