@@ -4,7 +4,9 @@ Builds the engine on a random-init model of a real shape, B sequences whose cont
 from 512 to --ctx tokens, the longest always present; ``bench/kernels_bench.py``'s ``long_tail_lens``), and
 steps the engine until every prompt is prefilled, then runs ``--steps`` steps of the whole batch decoding (CUDA
 graph replays) under ``torch.profiler``: per kernel name, one decode step's device time (attention, GEMMs, the
-KV store, norms, sampling), and the step's wall time. One JSON line per dtype, then a side-by-side table.
+KV store, norms, sampling), the step's wall time, its kernel count and the device's idle time between its
+kernels (``inner_gap_ms``: what a graph of many small kernels pays per launch; ``outer_gap_ms``: between steps).
+One JSON line per dtype, then a side-by-side table.
 
     python bench/step_profile.py --kv auto,fp8 --out $OUT/step_profile.jsonl      # qwen2.5-1.5b, B=256, 16K tail
     python bench/step_profile.py --kv auto,fp8 --batch 128 --ctx 8192 --lengths even   # W2's fixed-split steps
@@ -34,8 +36,37 @@ CLASSES = (("attn_decode", ("_decode_split", "_decode_reduce")), ("kv_store", ("
            ("norm_rope_act", ("rms", "norm", "rotary", "rope", "silu", "act_and_mul")))  # fmt: skip
 
 
-def kernel_times(fn) -> tuple[dict[str, float], float]:
-    """Per-kernel device time (us) of one call of ``fn``, and its wall time (s)."""
+STEP_GAP_US = 30.0  # a device gap at least this long is between steps (the host's turn), not inside one graph
+
+
+def device_gaps(intervals: list[tuple[float, float]], step_gap_us: float = STEP_GAP_US) -> dict[str, float]:
+    """What a run's device intervals (start, end in us; kernels and copies) say about the time between them:
+    ``kernels`` (how many), ``busy_us`` (the union of the intervals), ``inner_gap_us`` (idle time between one
+    interval's end and the next's start when shorter than ``step_gap_us``: launch and ramp-up inside a graph
+    replay, what a step of many small kernels pays per kernel) and ``outer_gap_us`` (the longer gaps: between
+    steps). Overlapping intervals (two streams) count once."""
+    busy = inner = outer = 0.0
+    end = None
+    for s, e in sorted(intervals):
+        if end is None or s >= end:
+            if end is not None:
+                gap = s - end
+                if gap < step_gap_us:
+                    inner += gap
+                else:
+                    outer += gap
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    return dict(kernels=len(intervals), busy_us=busy, inner_gap_us=inner, outer_gap_us=outer)
+
+
+def kernel_times(fn) -> tuple[dict[str, float], float, dict[str, float]]:
+    """Per-kernel device time (us) of one call of ``fn``, its wall time (s), and ``device_gaps`` of its device
+    intervals."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -48,7 +79,9 @@ def kernel_times(fn) -> tuple[dict[str, float], float]:
     for e in prof.key_averages():
         if e.device_time_total > 0:
             times[e.key] += e.device_time_total
-    return times, wall
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    return times, wall, device_gaps(spans)
 
 
 def classify(name: str) -> str:
@@ -83,7 +116,7 @@ def profile_kv(hf, prompts: list[list[int]], kv: str, args) -> tuple[dict[str, f
 
     ctx = [len(q) + 4 + args.steps // 2 for q in prompts]  # mean context over the profiled steps (approx.)
     floors = dict(attn_floor_ms=sum(ctx) * engine.kv.token_bytes, gemm_floor_ms=engine.model.weight_bytes_per_step())
-    times, wall = kernel_times(run)
+    times, wall, gaps = kernel_times(run)
     mixed = None
     if args.mixed:  # a new prompt joins the decoding batch: the mixed step runs eagerly (no decode graph)
         gen = torch.Generator().manual_seed(1)
@@ -93,7 +126,7 @@ def profile_kv(hf, prompts: list[list[int]], kv: str, args) -> tuple[dict[str, f
             for _ in range(3):  # the async engine's step() may return before the mixed step's kernels run
                 engine.step()
 
-        m_times, m_wall = kernel_times(run_mixed)
+        m_times, m_wall, _ = kernel_times(run_mixed)
         top = sorted(m_times.items(), key=lambda kv: -kv[1])[:25]
         mixed = dict(mixed_prompt=args.mixed, three_steps_wall_ms=round(m_wall * 1e3, 3),
                      three_steps_kernel_ms=round(sum(m_times.values()) / 1e3, 3),
@@ -101,7 +134,11 @@ def profile_kv(hf, prompts: list[list[int]], kv: str, args) -> tuple[dict[str, f
                      top_ms=[(k[:90], round(v / 1e3, 4)) for k, v in top])  # fmt: skip
     while engine.has_unfinished_requests():
         engine.step()
-    return {k: v / args.steps for k, v in times.items()}, wall / args.steps * 1e3, mixed, floors
+    per_step = dict(kernels_per_step=round(gaps["kernels"] / args.steps, 1),
+                    busy_ms=round(gaps["busy_us"] / args.steps / 1e3, 4),
+                    inner_gap_ms=round(gaps["inner_gap_us"] / args.steps / 1e3, 4),
+                    outer_gap_ms=round(gaps["outer_gap_us"] / args.steps / 1e3, 4))
+    return {k: v / args.steps for k, v in times.items()}, wall / args.steps * 1e3, mixed, floors, per_step
 
 
 def main() -> None:
@@ -137,7 +174,7 @@ def main() -> None:
     prompts = [torch.randint(100, vocab - 100, (n,), generator=gen).tolist() for n in lens]
     rows = {}
     for kv in args.kv.split(","):
-        step, wall_ms, mixed, nbytes = profile_kv(hf, prompts, kv, args)
+        step, wall_ms, mixed, nbytes, per_step = profile_kv(hf, prompts, kv, args)
         by_class: dict[str, float] = collections.Counter()
         for k, us in step.items():
             by_class[classify(k)] += us
@@ -151,7 +188,7 @@ def main() -> None:
                    step_kernel_ms=round(sum(step.values()) / 1e3, 3), step_wall_ms=round(wall_ms, 3),
                    by_class_ms={k: round(v / 1e3, 3) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
                    top_ms=[(k[:90], round(v / 1e3, 4)) for k, v in top], decode_knobs=knobs, mixed=mixed,
-                   copy_bw_tbps=round(bw, 3), **floors, floor_over_kernel=eff)  # fmt: skip
+                   copy_bw_tbps=round(bw, 3), **floors, floor_over_kernel=eff, **per_step)  # fmt: skip
         rows[kv] = rec
         print(json.dumps(rec), flush=True)
         if args.out:
@@ -160,8 +197,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     classes = sorted({c for r in rows.values() for c in r["by_class_ms"]})
     print("class".ljust(16) + "".join(k.rjust(12) for k in rows))
-    for c in classes + ["step_kernel_ms"]:
-        vals = [r["by_class_ms"].get(c, 0.0) if c != "step_kernel_ms" else r[c] for r in rows.values()]
+    for c in classes + ["step_kernel_ms", "kernels_per_step", "inner_gap_ms", "outer_gap_ms"]:
+        vals = [r["by_class_ms"].get(c, 0.0) if c in r["by_class_ms"] else r[c] for r in rows.values()]
         print(c.ljust(16) + "".join(f"{v:12.3f}" for v in vals))
 
 
