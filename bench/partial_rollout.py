@@ -91,6 +91,8 @@ def run(mode: str, hf: torch.nn.Module, args: argparse.Namespace) -> dict:
         max_model_len=args.prompt_len + args.new + 16, max_num_seqs=args.max_num_seqs,
         kv_cache_dtype=args.kv_cache_dtype,
     )
+    if args.decode_knobs:  # GEMM_SWAP_ROWS / SKINNY_GEMM_ROWS are per layer: set on this engine's model
+        load_bench().apply_gemm_knobs(engine.model, args.decode_knobs)
     # Warm-up in the run's sampling: every decode graph size, with even lengths and with one long context (the
     # decode kernel's two split kinds), so no capture lands inside a timed round.
     warm, long = [[1] * 8] * args.max_num_seqs, [1] * 64

@@ -99,6 +99,8 @@ def profile_kv(hf, prompts: list[list[int]], kv: str, args) -> tuple[dict[str, f
     whole batch decoding (graph replays) run under the profiler."""
     engine = Engine.from_pretrained(hf, dtype="bfloat16", max_model_len=args.ctx + 4 * args.steps + 64,
                                     enable_prefix_caching=False, max_num_seqs=args.batch, kv_cache_dtype=kv)
+    bench = load_bench_script()
+    bench.apply_gemm_knobs(engine.model, bench.parse_decode_knobs(args.decode_knobs) if args.decode_knobs else {})
     engine.generate([q[:600] for q in prompts[:8]], SamplingParams(max_tokens=16, ignore_eos=True))  # compile
     params = SamplingParams(temperature=1.0, seed=1, max_tokens=4 * args.steps + 32, ignore_eos=True)
     for q in prompts:

@@ -53,30 +53,31 @@ def check_choose_config() -> None:
                          counters=torch.zeros(2, dtype=torch.int32))
 
 
-def check_linear_knob() -> None:
-    """SKINNY_GEMM_ROWS routes a projection of at most that many rows (unit stride along K) through the kernel, with
-    linear's result; more rows, or a strided ``x``, stay on F.linear; it goes before GEMM_SWAP_ROWS."""
+def check_linear_route() -> None:
+    """A layer's "skinny" pick (rollout.layers.linear.linear's ``by_rows``) runs the kernel at that row count, with
+    F.linear's result; other row counts, or a strided ``x``, stay on F.linear."""
     import rollout.layers.linear as lin
 
     sg = _load()
     calls, kernel = [], sg.skinny_linear
     sg.skinny_linear = lambda *a, **kw: calls.append(a[0].shape[0]) or kernel(*a, **kw)
-    lin.SKINNY_GEMM_ROWS, lin.GEMM_SWAP_ROWS = 8, 8
+    by_rows = {3: "skinny", 4: "skinny", 8: "skinny"}
     try:
         gen = torch.Generator().manual_seed(1)
         w, b = torch.randn(40, 96, generator=gen) / 10, torch.randn(40, generator=gen)
         for rows in (3, 8, 9):
             x = torch.randn(rows, 96, generator=gen)
-            torch.testing.assert_close(lin.linear(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(lin.linear(x, w, b, by_rows), torch.nn.functional.linear(x, w, b),
+                                       rtol=1e-4, atol=1e-4)
         strided = torch.randn(96, 4, generator=gen).t()  # [4, 96], stride 4 along K
-        lin.linear(strided, w, None)
+        lin.linear(strided, w, None, by_rows)
         assert calls == [3, 8], calls
     finally:
-        sg.skinny_linear, lin.SKINNY_GEMM_ROWS, lin.GEMM_SWAP_ROWS = kernel, 0, 0
+        sg.skinny_linear = kernel
 
 
 CHECKS = {
-    "linear_knob": check_linear_knob,
+    "linear_route": check_linear_route,
     "one_split_with_bias": lambda: check_linear(5, 70, 96, True, (16, 64, 32, 1)),
     "split_k_rows_past_one_tile": lambda: check_linear(37, 130, 200, True, (16, 64, 32, 3)),
     "split_k_ragged_k_no_bias": lambda: check_linear(3, 64, 100, False, (16, 32, 32, 4)),

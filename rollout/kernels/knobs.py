@@ -8,14 +8,13 @@ from types import ModuleType
 
 def knob_module(name: str) -> ModuleType:
     """paged_decode's constants, the stream split's own (STREAM_WAVES, STREAM_SEGS) where paged_decode has none
-    of that name, programmatic dependent launch's (PDL), or the projections' GEMM's (GEMM_SWAP_ROWS,
-    SKINNY_GEMM_ROWS)."""
+    of that name, or programmatic dependent launch's (PDL). The projections' GEMM knobs are per layer
+    (``rollout.layers.gemm_tune.route_rows``), not module constants."""
     import rollout.kernels.paged_decode as pd
     import rollout.kernels.paged_decode_stream as ps
     import rollout.kernels.pdl as pdl
-    import rollout.layers.linear as lin
 
-    mods = (pd, ps, pdl, lin)
+    mods = (pd, ps, pdl)
     for mod in mods:
         if hasattr(mod, name) and name.isupper():
             return mod

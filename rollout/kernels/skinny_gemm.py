@@ -16,7 +16,8 @@ few columns. This kernel covers the machine by splitting K as well as N:
 ``bench/gemm_bench.py`` times it (and a sweep of tiles and splits) against ``torch.nn.functional.linear`` at the
 model's shapes. At qwen2.5-1.5b's shapes it lost to cuBLAS (H200, bench/results/h200_2026-12-03e_gemm_304158d.jsonl);
 at llama3-8b's qkv and o_proj, where cuBLAS reads at ~0.77 of the byte floor with 32 rows, it is untimed. The
-engine's projections take it only behind ``rollout.layers.linear.SKINNY_GEMM_ROWS`` (opt-in, an A/B knob).
+engine's projections take it only where a layer's ``gemm_by_rows`` picks it: by the tuner (engine ``gemm_autotune``)
+or by ``rollout.layers.gemm_tune.route_rows`` (the bench's A/B knob ``SKINNY_GEMM_ROWS``).
 """
 
 from __future__ import annotations

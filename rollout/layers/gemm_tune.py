@@ -63,6 +63,20 @@ def tunable_linears(model: nn.Module) -> dict[tuple, list[nn.Module]]:
     return groups
 
 
+def route_rows(model: nn.Module, method: str, max_rows: int) -> int:
+    """Every tuned-kind projection (``tunable_linears``) runs ``method`` for batches of 1..``max_rows`` rows,
+    decode and prefill alike: the bench's A/B of one method against cuBLAS without timing anything
+    (``--decode-knobs GEMM_SWAP_ROWS=N`` / ``SKINNY_GEMM_ROWS=N``). Returns how many layers it set."""
+    if method not in GEMM_METHODS:
+        raise ValueError(f"GEMM method must be one of {GEMM_METHODS}, got {method!r}")
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0:
+        raise ValueError(f"max_rows must be an int >= 0, got {max_rows!r}")
+    layers = [mod for group in tunable_linears(model).values() for mod in group]
+    for mod in layers:
+        mod.gemm_by_rows.update(dict.fromkeys(range(1, max_rows + 1), method))
+    return len(layers)
+
+
 def cuda_timer(reps: int = 10) -> Timer:
     """Times ``fn`` as a step runs it, from a CUDA graph: one eager call (compiles, cuBLAS's set-up), one capture,
     then the mean of ``reps`` replays between two events. Timed eagerly instead, the launches of a group's small

@@ -4,14 +4,14 @@
 rows of our parameter (a fused projection's part) and, under tensor parallelism, which part of the
 full HF tensor this rank keeps. Layers without ``load_slices`` take their tensor whole.
 
-``linear`` is the projections' GEMM. With ``GEMM_SWAP_ROWS`` set (opt-in, an A/B knob:
-``scripts/bench.py --decode-knobs GEMM_SWAP_ROWS=64``), a batch of at most that many rows asks cuBLAS for the
-transposed product, out^T = W @ x^T, and copies it back to [rows, N]. cuBLAS then sees the weight's rows as its
-M and may pick other tiles: at W1's 32 rows its qkv and o_proj kernels read their weights at ~0.77 of the byte
-floor, against 0.92-0.95 for the wider gate_up and down (H100, bench/results/h100_2026-12-07f_step_profile_w1_*).
-With ``SKINNY_GEMM_ROWS`` set (opt-in, the same kind of knob), such a batch goes through the split-K Triton GEMM
-instead (``rollout/kernels/skinny_gemm.py``: K split as well as N, so a few rows still cover every SM). The first
-knob that matches wins: SKINNY_GEMM_ROWS, then GEMM_SWAP_ROWS.
+``linear`` is the projections' GEMM: cuBLAS (``F.linear``) unless the layer's ``gemm_by_rows`` names another method
+for this many rows (``GEMM_METHODS``). Those picks come from the tuner (``rollout.layers.gemm_tune``, engine
+``gemm_autotune``) or, for an A/B, from ``gemm_tune.route_rows`` (``scripts/bench.py --decode-knobs
+GEMM_SWAP_ROWS=64`` or ``SKINNY_GEMM_ROWS=64``): "swap" asks cuBLAS for the transposed product, out^T = W @ x^T,
+copied back to [rows, N], so cuBLAS sees the weight's rows as its M and may pick other tiles (at W1's 32 rows its
+qkv and o_proj kernels read their weights at ~0.77 of the byte floor, against 0.92-0.95 for the wider gate_up and
+down: H100, bench/results/h100_2026-12-07f_step_profile_w1_*); "skinny" is the split-K Triton GEMM
+(``rollout/kernels/skinny_gemm.py``: K split as well as N, so a few rows still cover every SM).
 """
 
 from __future__ import annotations
@@ -21,10 +21,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-GEMM_SWAP_ROWS = 0  # batches of at most this many rows take W @ x^T (0: never; see the module docstring)
-SKINNY_GEMM_ROWS = 0  # batches of at most this many rows take the split-K Triton GEMM (0: never)
-
 
 GEMM_METHODS = ("cublas", "swap", "skinny")  # what a projection's GEMM can run as (``gemm``)
 
@@ -47,22 +43,13 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, metho
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            by_rows: dict[int, str] | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; a 2-D ``x`` of at most ``SKINNY_GEMM_ROWS`` rows (unit stride along K) goes
-    through the split-K Triton GEMM, else one of at most ``GEMM_SWAP_ROWS`` rows through the transposed product,
-    else one whose row count ``by_rows`` names (the layer's tuned choices, ``rollout.layers.gemm_tune``) through
-    that method."""
-    if not (SKINNY_GEMM_ROWS or GEMM_SWAP_ROWS or by_rows):  # the default: one check, then cuBLAS as nn.Linear
+    """``F.linear(x, weight, bias)``, or, for a 2-D ``x`` whose row count ``by_rows`` names (the layer's picks),
+    that method; "skinny" only where ``x`` and ``weight`` have unit stride along K (what the Triton GEMM reads)."""
+    if not by_rows or x.dim() != 2:  # the default: one check, then cuBLAS as nn.Linear
         return F.linear(x, weight, bias)
-    rows = x.shape[0] if x.dim() == 2 else 0
-    unit_k = rows > 0 and x.stride(1) == 1 and weight.stride(1) == 1  # what the Triton GEMM reads
-    if 0 < rows <= SKINNY_GEMM_ROWS and unit_k:
-        method = "skinny"
-    elif 0 < rows <= GEMM_SWAP_ROWS:
-        method = "swap"
-    else:
-        method = by_rows.get(rows) if by_rows and rows else None
-        if method is None or (method == "skinny" and not unit_k):  # no pick for this many rows, or none usable
-            return F.linear(x, weight, bias)
+    method = by_rows.get(x.shape[0])
+    if method is None or (method == "skinny" and not (x.stride(1) == 1 and weight.stride(1) == 1)):
+        return F.linear(x, weight, bias)
     return gemm(x, weight, bias, method)
 
 

@@ -1,5 +1,6 @@
 """The projections' opt-in GEMMs on the GPU (rollout/layers/linear.py): decode-sized batches through cuBLAS's
-transposed product (GEMM_SWAP_ROWS) or the split-K Triton GEMM (SKINNY_GEMM_ROWS), replayed in CUDA graphs, keep
+transposed product or the split-K Triton GEMM (routed per layer, as the bench's GEMM_SWAP_ROWS / SKINNY_GEMM_ROWS do),
+replayed in CUDA graphs, keep
 bf16 logprobs as close to Hugging Face's as the plain GEMMs do; so does the engine with gemm_autotune, which times
 them per graph size (rollout/layers/gemm_tune.py)."""
 
@@ -7,18 +8,27 @@ import pytest
 import torch
 
 import rollout.engine.runners.cuda as cuda_runner
-import rollout.layers.linear as lin
+from rollout import Engine
+from rollout.layers.gemm_tune import route_rows
 from tests.gpu.test_engine_gpu import _hf, bf16_logprob_diff_vs_hf
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.parametrize("knob", ["GEMM_SWAP_ROWS", "SKINNY_GEMM_ROWS"])
+@pytest.mark.parametrize("method", ["swap", "skinny"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])  # the bias paths are checked on the CPU
-def test_projection_gemm_logprobs_vs_hf(family: str, knob: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(lin, knob, 64)
+def test_projection_gemm_logprobs_vs_hf(family: str, method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    routed = []
+    real_init = Engine.__init__
+
+    def init(self, *a, **kw):  # every engine the helper builds routes its projections' batches of <= 64 rows
+        real_init(self, *a, **kw)
+        routed.append(route_rows(self.model, method, 64))
+
+    monkeypatch.setattr(Engine, "__init__", init)
     mean = bf16_logprob_diff_vs_hf(_hf(family))
-    print(f"{family} bf16 with {knob}=64: mean |logprob diff| vs HF {mean:.5f}")
+    assert routed and routed[0] >= 4, routed
+    print(f"{family} bf16 with {method} for <= 64 rows: mean |logprob diff| vs HF {mean:.5f}")
     assert mean < 0.01
 
 
