@@ -127,3 +127,15 @@ def test_release_and_resume_memory_occupation(client):
     assert client.post("/continue_generation", json={}).status_code == 200
     assert client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
                        ).status_code == 200
+
+
+@pytest.mark.parametrize("body", [None, b"", b"{", b"\xff\xfe", b"[1]", b'{"rid": 5}'])
+def test_abort_request_with_a_bad_body_is_a_400_and_the_server_serves_on(body):
+    """An empty, truncated or non-UTF-8 body was a 500 (the JSON error escaped the handler); now a 400 naming what
+    is allowed, and the next request is served."""
+    app = build_app(make_engine(make_tiny_hf_model("llama"), block_size=4), ServeConfig(), "tiny")
+    with TestClient(app, raise_server_exceptions=False) as c:
+        r = c.post("/abort_request", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (r.status_code, r.text)
+        assert "rid" in r.json()["error"]["message"] or "JSON" in r.json()["error"]["message"], r.text
+        assert c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}).status_code == 200

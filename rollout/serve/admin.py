@@ -15,7 +15,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
 
 from rollout.serve.auth import weight_source
-from rollout.serve.errors import APIError, describe_validation
+from rollout.serve.errors import APIError, describe_validation, json_body
 from rollout.serve.protocol import InitWeightTransfer, UpdateWeights, UpdateWeightsFromDisk
 from rollout.serve.state import ServerState, state
 from rollout.weights.disk import CheckpointWeights, step_of
@@ -29,10 +29,7 @@ status = APIRouter()  # read-only: is_paused, is_sleeping, get_world_size, polic
 
 async def _body(request: Request, model: type, wrapper: str) -> Any:
     """Parse a JSON object (vLLM wraps it as ``{wrapper: {...}}``; both shapes are accepted)."""
-    try:
-        raw = await request.json()
-    except ValueError as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    raw = await json_body(request)
     if not isinstance(raw, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(raw).__name__}")
     if set(raw) == {wrapper}:

@@ -27,6 +27,15 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
+async def json_body(request: Request) -> Any:
+    """The request's body parsed as JSON; one that is empty, cut short or not UTF-8 is a 400 saying so (Starlette's
+    ``request.json()`` raises a ValueError there, which a handler would turn into a 500)."""
+    try:
+        return await request.json()
+    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError alike
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": TYPES.get(status, "server_error" if status >= 500 else
                                                               "invalid_request_error"),

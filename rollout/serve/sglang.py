@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from rollout.serve.errors import APIError
+from rollout.serve.errors import APIError, json_body
 from rollout.serve.generate import abort as _abort
 from rollout.serve.generate import outputs, submit
 from rollout.serve.params import make_params
@@ -199,7 +199,7 @@ async def health_generate(request: Request) -> Any:
 
 @router.post("/abort_request")
 async def abort_request(request: Request) -> dict[str, Any]:
-    raw = await request.json()
+    raw = await json_body(request)
     st = state(request)
     if not isinstance(raw, dict):
         raise APIError(400, "the request body must be a JSON object: {\"rid\": ...} or {\"abort_all\": true}")
