@@ -35,6 +35,9 @@
 #   even_profile  the same on even lengths (the fixed split every W2 step takes) at B=128 and 256
 #   fm_profile  the same at B=128 and 256 with the fused merge off and on (FUSED_MERGE: no reduce launch)
 #   tail_profile  the same for W2's tail steps (B=8 and 16, long tail to 16K, bf16; ~2 min)
+#   mid_profile  W2's 160-255-sequence steps (even lengths in [2K, 6K], ~4K mean), B=160, 200 and 232, bf16: on the
+#            H100 at 2220a74 the 192- and 224-sequence buckets ran 0.69 / 0.73 of the floor against 0.86 at 160
+#            (decode_by_kind, even split), on the H200 0.785 / 0.781 against 0.807 (~2 min)
 #   ncu      Nsight Compute of the fp8 decode kernel with V page by page (sectors per copy: ideal is the bar)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -197,6 +200,12 @@ for stage in "$@"; do
       for b in 8 16; do
         timeout 120 python3 bench/step_profile.py --kv auto --batch $b "${KNOB_ARGS[@]}" \
           --out "$OUT/step_profile_tail$SUFFIX.jsonl" 2>&1 | tail -8
+      done ;;
+    mid_profile)
+      for b in 160 200 232; do
+        timeout 150 python3 bench/step_profile.py --kv auto --batch $b --lengths even --ctx 6144 --max-num-seqs 256 \
+          "${KNOB_ARGS[@]}" \
+          --out "$OUT/step_profile_mid$SUFFIX.jsonl" 2>&1 | tail -8
       done ;;
     fm_profile)
       for b in 128 256; do

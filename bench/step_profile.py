@@ -98,7 +98,8 @@ def profile_kv(hf, prompts: list[list[int]], kv: str, args) -> tuple[dict[str, f
     prompt is prefilled first (steps until the engine has computed them all), then ``--steps`` steps of the
     whole batch decoding (graph replays) run under the profiler."""
     engine = Engine.from_pretrained(hf, dtype="bfloat16", max_model_len=args.ctx + 4 * args.steps + 64,
-                                    enable_prefix_caching=False, max_num_seqs=args.batch, kv_cache_dtype=kv)
+                                    enable_prefix_caching=False, max_num_seqs=args.max_num_seqs or args.batch,
+                                    kv_cache_dtype=kv)
     bench = load_bench_script()
     bench.apply_gemm_knobs(engine.model, bench.parse_decode_knobs(args.decode_knobs) if args.decode_knobs else {})
     engine.generate([q[:600] for q in prompts[:8]], SamplingParams(max_tokens=16, ignore_eos=True))  # compile
@@ -153,6 +154,9 @@ def main() -> None:
                         "split's, which every W2 step takes (bench/w2_lengths.py); uniform: every prompt ctx long, "
                         "W1's steps (one wave's equal chunks)")
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--max-num-seqs", type=int, default=0,
+                   help="the engine's max_num_seqs (0: --batch). Above --batch, the step replays the next captured "
+                        "size up (padded, as W2's steps between graph sizes do: 200 sequences in the 224 graph at 256)")
     p.add_argument("--kv", default="auto,fp8", help="comma list of kv_cache_dtype values")
     p.add_argument("--mixed", type=int, default=0, metavar="TOKENS",
                    help="also time the steps around a TOKENS-long prompt joining the batch (an eager mixed step)")
@@ -186,6 +190,7 @@ def main() -> None:
                "gemm": round(floors["gemm_floor_ms"] / (by_class["gemm"] / 1e3), 3)}
         top = sorted(step.items(), key=lambda kv: -kv[1])[:40]
         rec = dict(bench="step_profile", preset=args.preset, kv_cache_dtype=kv, batch=args.batch, lengths=args.lengths,
+                   max_num_seqs=args.max_num_seqs or args.batch,
                    mean_ctx=round(sum(lens) / len(lens)), steps=args.steps, commit=bench._commit(),
                    step_kernel_ms=round(sum(step.values()) / 1e3, 3), step_wall_ms=round(wall_ms, 3),
                    by_class_ms={k: round(v / 1e3, 3) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
