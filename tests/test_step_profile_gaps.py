@@ -39,3 +39,34 @@ def test_step_gap_threshold(step_profile):
     spans = [(0.0, 1.0), (31.0, 32.0)]
     assert step_profile.device_gaps(spans)["outer_gap_us"] == 30.0
     assert step_profile.device_gaps(spans, step_gap_us=31.0)["inner_gap_us"] == 30.0
+
+
+def test_profile_kv_runs_on_the_cpu_with_gemm_knobs(step_profile, monkeypatch):
+    """The bench's path up to the profiler, on the CPU (a tiny model, float32): the engine is built with
+    ``--max-num-seqs`` above the batch, the GEMM knobs route its projections, every prompt is prefilled, the steps
+    run under the profiler (no device events on a CPU: empty tables) and the floors' bytes come out."""
+    import argparse
+
+    from tests.tiny_models import make_tiny_hf_model
+
+    hf = make_tiny_hf_model("llama")
+    real = step_profile.Engine.from_pretrained
+    built = []
+
+    def cpu_engine(model, **kw):
+        built.append(kw)
+        engine = real(model, **{**kw, "dtype": "float32", "device": "cpu"})
+        built.append(engine)
+        return engine
+
+    monkeypatch.setattr(step_profile.Engine, "from_pretrained", cpu_engine)
+    args = argparse.Namespace(ctx=64, steps=3, batch=3, max_num_seqs=8, mixed=0, decode_knobs="GEMM_SWAP_ROWS=4")
+    prompts = [[5] * 20, [6] * 30, [7] * 64]
+    step, wall_ms, mixed, floors, per_step = step_profile.profile_kv(hf, prompts, "auto", args)
+    kw, engine = built
+    assert kw["max_num_seqs"] == 8 and kw["kv_cache_dtype"] == "auto"
+    routed = [m.gemm_by_rows for m in engine.model.modules() if hasattr(m, "gemm_by_rows")]
+    assert routed and all(r == dict.fromkeys(range(1, 5), "swap") for r in routed)
+    assert step == {} and mixed is None and wall_ms > 0
+    assert per_step == dict(kernels_per_step=0.0, busy_ms=0.0, inner_gap_ms=0.0, outer_gap_ms=0.0)
+    assert floors["attn_floor_ms"] > 0 and floors["gemm_floor_ms"] == engine.model.weight_bytes_per_step()
