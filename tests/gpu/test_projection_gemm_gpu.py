@@ -1,13 +1,13 @@
 """The projections' opt-in GEMMs on the GPU (rollout/layers/linear.py): decode-sized batches through cuBLAS's
-transposed product or the split-K Triton GEMM (routed per layer, as the bench's GEMM_SWAP_ROWS / SKINNY_GEMM_ROWS do),
-replayed in CUDA graphs, keep
-bf16 logprobs as close to Hugging Face's as the plain GEMMs do; so does the engine with gemm_autotune, which times
-them per graph size (rollout/layers/gemm_tune.py)."""
+transposed product or the split-K Triton GEMM (routed per layer, as the bench's GEMM_SWAP_ROWS / SKINNY_GEMM_ROWS
+do), replayed in CUDA graphs, keep bf16 logprobs as close to Hugging Face's as the plain GEMMs do; so does the engine
+with gemm_autotune, which times them per graph size (rollout/layers/gemm_tune.py)."""
 
 import pytest
 import torch
 
 import rollout.engine.runners.cuda as cuda_runner
+import rollout.layers.linear as lin
 from rollout import Engine
 from rollout.layers.gemm_tune import route_rows
 from tests.gpu.test_engine_gpu import _hf, bf16_logprob_diff_vs_hf
@@ -25,9 +25,18 @@ def test_projection_gemm_logprobs_vs_hf(family: str, method: str, monkeypatch: p
         real_init(self, *a, **kw)
         routed.append(route_rows(self.model, method, 64))
 
+    ran = []
+    real_gemm = lin.gemm
+
+    def gemm(x, weight, bias, m):
+        ran.append(m)
+        return real_gemm(x, weight, bias, m)
+
     monkeypatch.setattr(Engine, "__init__", init)
+    monkeypatch.setattr(lin, "gemm", gemm)
     mean = bf16_logprob_diff_vs_hf(_hf(family))
     assert routed and routed[0] >= 4, routed
+    assert method in ran, "no projection ran the routed method"
     print(f"{family} bf16 with {method} for <= 64 rows: mean |logprob diff| vs HF {mean:.5f}")
     assert mean < 0.01
 
