@@ -4,7 +4,8 @@
 # (on the GPU machine there is no .git: pass COMMIT). Writes $OUT/gpu_tests_<date>_<commit>[_<PART>].log and
 # $OUT/bench.jsonl; commit both to bench/results/. GPU_TESTS picks test files (default: all of tests/gpu),
 # PART names the log of a suite split over several calls. TEST_TIMEOUT (default 540 s): the whole suite took 443 s on
-# an H100 at 8858c88, and 450 s caught the interpreter's exit after the summary (pytest exit 124).
+# an H100 at 8858c88, and 450 s caught the interpreter's exit after the summary (pytest exit 124). The log ends with
+# the 12 slowest tests (--durations): where a shorter suite would save device time.
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -19,7 +20,7 @@ LOG="$OUT/gpu_tests_$(date -u +%F)_${COMMIT}${PART:+_$PART}.log"
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 } > "$LOG" 2>&1
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -x -s -p no:cacheprovider ${GPU_TESTS:-tests/gpu} 2>&1 \
+  timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -x -s -p no:cacheprovider --durations=12 ${GPU_TESTS:-tests/gpu} 2>&1 \
     | grep -v -E "Warning|warnings.warn" | tail -"${LOG_LINES:-80}" >> "$LOG"
   echo "pytest exit ${PIPESTATUS[0]}" >> "$LOG"
   tail -3 "$LOG"
