@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from rollout import Engine, SamplingParams  # noqa: E402
 from rollout.job.data import PromptDataset  # noqa: E402
 from rollout.job.rounds import RoundDriver  # noqa: E402
+from rollout.layers.gemm_tune import route_knobs  # noqa: E402
 
 
 class Rows:
@@ -91,8 +92,7 @@ def run(mode: str, hf: torch.nn.Module, args: argparse.Namespace) -> dict:
         max_model_len=args.prompt_len + args.new + 16, max_num_seqs=args.max_num_seqs,
         kv_cache_dtype=args.kv_cache_dtype,
     )
-    if args.decode_knobs:  # GEMM_SWAP_ROWS / SKINNY_GEMM_ROWS are per layer: set on this engine's model
-        load_bench().apply_gemm_knobs(engine.model, args.decode_knobs)
+    route_knobs(engine.model, args.decode_knobs or {})  # GEMM_SWAP_ROWS / SKINNY_GEMM_ROWS are per layer
     # Warm-up in the run's sampling: every decode graph size, with even lengths and with one long context (the
     # decode kernel's two split kinds), so no capture lands inside a timed round.
     warm, long = [[1] * 8] * args.max_num_seqs, [1] * 64

@@ -69,16 +69,22 @@ def warm(pool: RolloutPool, max_num_seqs: int) -> None:
         pool.ray.get(refs)
 
 
-def throughput(args: argparse.Namespace, ckpt: Path) -> list[dict]:
+def workload(args: argparse.Namespace, ckpt: Path, prompts: int = 0) -> tuple[list, list, EngineFactory]:
+    """``args.workload``'s prompts and sampling params (``args.prompts`` or ``prompts`` of them, if set) and the
+    factory of replicas sized to hold every sequence at full length."""
     b = _bench_module()
     w = dict(b.WORKLOADS[args.workload])
-    if args.prompts:
-        w["prompts"] = args.prompts
-    prompts, params = b.make_prompts(w, 151936 if "qwen" in w["preset"] else 128256)
+    if args.prompts or prompts:
+        w["prompts"] = args.prompts or prompts
+    prompts_, params = b.make_prompts(w, 151936 if "qwen" in w["preset"] else 128256)
     n = w.get("n", 1)
     blocks = int(sum(-(-(w["prompt_len"] + p.max_tokens) // 16) * n for p in params) * 1.1) + 64
     options = dict(max_model_len=w["prompt_len"] + w["new"] + 16, num_blocks=blocks, max_num_seqs=args.max_num_seqs)
-    factory = EngineFactory(str(ckpt), dtype="bfloat16", options=options)
+    return prompts_, params, EngineFactory(str(ckpt), dtype="bfloat16", options=options)
+
+
+def throughput(args: argparse.Namespace, ckpt: Path) -> list[dict]:
+    prompts, params, factory = workload(args, ckpt)
     recs = []
     for replicas in (1, 2):
         pool = RolloutPool(replicas, factory, gpus_per_replica=1)
@@ -134,14 +140,8 @@ def kill_round(pool, prompts: list, params: list, kill_after: int = 1, victim_in
 
 
 def kill(args: argparse.Namespace, ckpt: Path) -> list[dict]:
-    b = _bench_module()
-    w = dict(b.WORKLOADS[args.workload])
-    w["prompts"] = args.prompts or 16
-    prompts, params = b.make_prompts(w, 151936 if "qwen" in w["preset"] else 128256)
-    n = w.get("n", 1)
-    blocks = int(sum(-(-(w["prompt_len"] + p.max_tokens) // 16) * n for p in params) * 1.1) + 64
-    options = dict(max_model_len=w["prompt_len"] + w["new"] + 16, num_blocks=blocks, max_num_seqs=args.max_num_seqs)
-    pool = RolloutPool(2, EngineFactory(str(ckpt), dtype="bfloat16", options=options), gpus_per_replica=1)
+    prompts, params, factory = workload(args, ckpt, prompts=16)
+    pool = RolloutPool(2, factory, gpus_per_replica=1)
     warm(pool, args.max_num_seqs)
     rec = dict(workload=args.workload, **kill_round(pool, prompts, params))
     print(json.dumps(rec), flush=True)

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 from bench.kernels_bench import even_lens, long_tail_lens  # noqa: E402
 from bench.score_bench import load_bench_script  # noqa: E402
 from rollout import Engine, SamplingParams  # noqa: E402
+from rollout.layers.gemm_tune import route_knobs  # noqa: E402
 
 CLASSES = (("attn_decode", ("_decode_split", "_decode_reduce")), ("kv_store", ("store", "quant", "reshape_and_cache")),
            ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "ampere", "splitk", "cublas")),
@@ -102,8 +103,7 @@ def profile_kv(hf, prompts: list[list[int]], kv: str, args) -> tuple[dict[str, f
     engine = Engine.from_pretrained(hf, dtype="bfloat16", max_model_len=args.ctx + 4 * args.steps + 64,
                                     enable_prefix_caching=False, max_num_seqs=args.max_num_seqs or args.batch,
                                     kv_cache_dtype=kv)
-    bench = load_bench_script()
-    bench.apply_gemm_knobs(engine.model, bench.parse_decode_knobs(args.decode_knobs) if args.decode_knobs else {})
+    route_knobs(engine.model, args.decode_knobs)  # the GEMM knobs (parsed by main) are per layer
     engine.generate([q[:600] for q in prompts[:8]], SamplingParams(max_tokens=16, ignore_eos=True))  # compile
     params = SamplingParams(temperature=1.0, seed=1, max_tokens=4 * args.steps + 32, ignore_eos=True)
     for q in prompts:
@@ -170,7 +170,7 @@ def main() -> None:
         sys.exit("step_profile.py needs a CUDA GPU")
     bench = load_bench_script()
     bw = bench.copy_bandwidth_tbps()
-    knobs = bench.parse_decode_knobs(args.decode_knobs) if args.decode_knobs else {}
+    args.decode_knobs = knobs = bench.parse_decode_knobs(args.decode_knobs) if args.decode_knobs else {}
     bench.apply_decode_knobs(knobs)
     hf = bench.build_hf(args.preset)
     vocab = hf.config.vocab_size

@@ -41,6 +41,7 @@ from rollout.config import EngineConfig  # noqa: E402
 from rollout.engine.runners.graphs import EVEN, UNEVEN, UNIFORM  # noqa: E402
 from rollout.engine.runners.kv_cache import KVCacheTooLarge  # noqa: E402
 from rollout.kernels.knobs import knob_module  # noqa: E402
+from rollout.layers.gemm_tune import ROUTE_KNOBS, route_knobs  # noqa: E402
 from rollout.layers.kv_quant import fp8_block_bytes  # noqa: E402
 
 PRESETS = {  # public config shapes, random weights
@@ -423,7 +424,7 @@ def run_ours(name: str, w: dict, hf: torch.nn.Module, mode: str, bw: float, args
     prompts, params = make_prompts(w, hf.config.vocab_size, sampling)
     n = w.get("n", 1)
     engine, sizing = make_engine(hf, w, params, mode, args)
-    apply_gemm_knobs(engine.model, getattr(args, "decode_knobs", None) or {})
+    route_knobs(engine.model, getattr(args, "decode_knobs", None) or {})  # the GEMM knobs are per layer
     if engine.kv.block_bytes != kv_block_bytes(w["preset"], args.kv_cache_dtype, engine.kv.config.block_size):
         sizing["kv_block_bytes_mismatch"] = engine.kv.block_bytes  # the budget's bytes are off: say so
     warm_up(engine, prompts, n, args.max_num_seqs, sampling_kw(sampling, 0))
@@ -703,33 +704,19 @@ def parse_decode_knobs(text: str) -> dict[str, int]:
     return knobs
 
 
-GEMM_KNOBS = {"GEMM_SWAP_ROWS": "swap", "SKINNY_GEMM_ROWS": "skinny"}  # knob -> GEMM method, in the order applied
-
-
 def apply_decode_knobs(knobs: dict[str, int]) -> None:
     """Set each knob's module constant (rollout.kernels.knobs.knob_module: the decode kernels', PDL's; read at each
-    call, so engines built later use them). The GEMM knobs are per layer: ``apply_gemm_knobs`` on each engine."""
+    call, so engines built later use them). The GEMM knobs are per layer: ``gemm_tune.route_knobs`` on each engine."""
     from rollout.layers.triton_backend import TritonAttentionBackend
 
     for name, value in knobs.items():
-        if name in GEMM_KNOBS:
+        if name in ROUTE_KNOBS:
             continue
         if name == "FUSED_ROPE":  # the Triton backends' rotary fused with the K/V store (its class attribute)
             TritonAttentionBackend.fuses_rope = bool(value)
             continue
         mod = knob_module(name)
         setattr(mod, name, bool(value) if isinstance(getattr(mod, name), bool) else value)
-
-
-def apply_gemm_knobs(model: torch.nn.Module, knobs: dict[str, int]) -> None:
-    """GEMM_SWAP_ROWS=N / SKINNY_GEMM_ROWS=N: the model's projections run cuBLAS's transposed product / the split-K
-    Triton GEMM for batches of at most N rows (``rollout.layers.gemm_tune.route_rows``); both set, the Triton GEMM
-    takes the rows they share."""
-    from rollout.layers.gemm_tune import route_rows
-
-    for name, method in GEMM_KNOBS.items():
-        if knobs.get(name):
-            route_rows(model, method, knobs[name])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import rollout.layers.linear as lin
 from rollout.distributed.group import TPGroup
 from rollout.kernels.knobs import knob_module
-from rollout.layers.gemm_tune import route_rows
+from rollout.layers.gemm_tune import route_knobs, route_rows
 from rollout.layers.parallel import RowParallelLinear
 from tests.engine_helpers import assert_matches_hf, greedy, make_engine, random_prompts
 from tests.tiny_models import make_tiny_hf_model
@@ -52,7 +52,7 @@ def test_off_by_default_and_set_by_bench_knobs() -> None:
     bench = load_script("bench")
     knobs = bench.parse_decode_knobs("GEMM_SWAP_ROWS=8,SKINNY_GEMM_ROWS=4")
     bench.apply_decode_knobs(knobs)  # the module constants' knobs: nothing to set for these
-    bench.apply_gemm_knobs(model, knobs)
+    route_knobs(model, knobs)
     want = {r: "skinny" if r <= 4 else "swap" for r in range(1, 9)}
     assert all(m.gemm_by_rows == want for m in layers)
     n_layers = len(layers)

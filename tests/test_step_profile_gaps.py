@@ -60,7 +60,7 @@ def test_profile_kv_runs_on_the_cpu_with_gemm_knobs(step_profile, monkeypatch):
         return engine
 
     monkeypatch.setattr(step_profile.Engine, "from_pretrained", cpu_engine)
-    args = argparse.Namespace(ctx=64, steps=3, batch=3, max_num_seqs=8, mixed=0, decode_knobs="GEMM_SWAP_ROWS=4")
+    args = argparse.Namespace(ctx=64, steps=3, batch=3, max_num_seqs=8, mixed=0, decode_knobs={"GEMM_SWAP_ROWS": 4})
     prompts = [[5] * 20, [6] * 30, [7] * 64]
     step, wall_ms, mixed, floors, per_step = step_profile.profile_kv(hf, prompts, "auto", args)
     kw, engine = built

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +75,17 @@ def route_rows(model: nn.Module, method: str, max_rows: int) -> int:
     for mod in layers:
         mod.gemm_by_rows.update(dict.fromkeys(range(1, max_rows + 1), method))
     return len(layers)
+
+
+ROUTE_KNOBS = {"GEMM_SWAP_ROWS": "swap", "SKINNY_GEMM_ROWS": "skinny"}  # bench knob -> method, in the order applied
+
+
+def route_knobs(model: nn.Module, knobs: Mapping[str, int]) -> None:
+    """The bench's GEMM knobs (``--decode-knobs GEMM_SWAP_ROWS=N,SKINNY_GEMM_ROWS=M``, any other names ignored):
+    ``route_rows`` for each one set; both set, the Triton GEMM takes the rows they share."""
+    for name, method in ROUTE_KNOBS.items():
+        if knobs.get(name):
+            route_rows(model, method, knobs[name])
 
 
 def cuda_timer(reps: int = 10) -> Timer:
